@@ -12,7 +12,7 @@ $PIP install --quiet --upgrade pip
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         echo "setup: NVIDIA GPU found; installing the CUDA build of torch"
-        $PIP install --quiet "torch>=2.4"
+        $PIP install --quiet "torch>=2.5"
     else
         echo "setup: no NVIDIA GPU; installing the CPU build torch==2.13.0"
         $PIP install --quiet "torch==2.13.0"

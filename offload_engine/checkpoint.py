@@ -1,0 +1,159 @@
+"""Hugging Face safetensors checkpoints: single file or sharded (model.safetensors.index.json).
+
+Tensors are read one at a time through safetensors' memory map, cast to the compute dtype and
+checked against the shapes the config implies, so nothing is loaded twice and a checkpoint that
+disagrees with its config is refused with the tensor's name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .config import ModelConfig
+from .errors import UserError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# Per-layer tensor names, relative to "model.layers.{i}.".
+LAYER_WEIGHTS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer's tensors, keyed by the name relative to the layer."""
+    h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
+    if cfg.qkv_bias:
+        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                       "self_attn.v_proj.bias": (kv,)})
+    if cfg.o_bias:
+        shapes["self_attn.o_proj.bias"] = (h,)
+    if cfg.mlp_bias:
+        shapes.update({"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (h,)})
+    return shapes
+
+
+def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the tensors outside the decoder layers (lm_head only when untied)."""
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+              "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+class Checkpoint:
+    """Read-only view of a safetensors checkpoint folder: which file holds which tensor."""
+
+    def __init__(self, folder: str | Path, config: ModelConfig):
+        self.folder = Path(folder)
+        self.config = config
+        self.file_of: dict[str, Path] = self._index()
+        self._handles: dict[Path, object] = {}
+        self.shapes: dict[str, tuple[int, ...]] = self._expected_shapes()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.folder / INDEX_NAME
+        single = self.folder / SINGLE_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"{index}: not a valid safetensors index (no weight_map)") from None
+            file_of = {name: self.folder / fname for name, fname in weight_map.items()}
+            for path in sorted(set(file_of.values())):
+                if not path.is_file():
+                    raise UserError(f"{index}: shard {path.name} is missing from {self.folder}")
+            return file_of
+        if single.is_file():
+            with self._open(single) as handle:
+                return {name: single for name in handle.keys()}
+        others = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        if len(others) == 1:
+            with self._open(self.folder / others[0]) as handle:
+                return {name: self.folder / others[0] for name in handle.keys()}
+        hint = " (pickled .bin/.pt weights are never loaded: convert them to safetensors)" \
+            if any(self.folder.glob("*.bin")) or any(self.folder.glob("*.pt")) else ""
+        raise UserError(f"{self.folder}: no {SINGLE_NAME} or {INDEX_NAME}{hint}")
+
+    @staticmethod
+    def _open(path: Path):
+        try:
+            return safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = self._open(path).__enter__()
+        return self._handles[path]
+
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg = self.config
+        shapes = global_shapes(cfg)
+        for i in range(cfg.num_layers):
+            shapes.update({f"model.layers.{i}.{k}": v for k, v in layer_shapes(cfg).items()})
+        return shapes
+
+    def check(self) -> None:
+        """Every tensor the config needs is present with the right shape (headers only, no data)."""
+        for name, shape in self.shapes.items():
+            self._shape_of(name, shape)
+
+    def _shape_of(self, name: str, expected: tuple[int, ...]) -> None:
+        if name not in self.file_of:
+            raise UserError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+        path = self.file_of[name]
+        handle = self._handle(path)
+        try:
+            shape = tuple(handle.get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise UserError(f"{path}: cannot read tensor {name} ({e})") from None
+        if shape != tuple(expected):
+            raise UserError(f"{path}: tensor {name} has shape {list(shape)}, "
+                            f"but config.json implies {list(expected)}")
+
+    def load(self, name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+        """One tensor, shape-checked, cast to dtype and moved to device."""
+        expected = self.shapes.get(name)
+        if expected is not None:
+            self._shape_of(name, expected)
+        elif name not in self.file_of:
+            raise UserError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+        path = self.file_of[name]
+        try:
+            tensor = self._handle(path).get_tensor(name)
+        except SafetensorError as e:
+            raise UserError(f"{path}: cannot read tensor {name} ({e})") from None
+        return tensor.to(device=device, dtype=dtype)
+
+    def load_layer(self, index: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """All tensors of decoder layer `index`, keyed by their names relative to the layer."""
+        prefix = f"model.layers.{index}."
+        return {k: self.load(prefix + k, dtype, device) for k in layer_shapes(self.config)}
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()

@@ -1,0 +1,172 @@
+"""Model configuration read from a checkpoint's config.json (and generation_config.json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """'bf16' / 'bfloat16' / torch.bfloat16 -> torch.bfloat16; refuses anything else."""
+    if name is None:
+        return default
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise UserError(f"unknown dtype {name!r}: use one of float32, float16, bfloat16")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1-style frequency scaling ('llama3'), or plain linear scaling."""
+    kind: str  # "llama3" | "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence that the model computes exactly (sliding-window models stop at the window)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_scaling(raw: dict | None, path: Path) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        return RopeScaling("llama3", float(raw["factor"]), float(raw.get("low_freq_factor", 1.0)),
+                           float(raw.get("high_freq_factor", 4.0)),
+                           int(raw.get("original_max_position_embeddings", 8192)))
+    if kind == "linear":
+        return RopeScaling("linear", float(raw["factor"]))
+    raise UserError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """Read config.json (and generation_config.json when present) from a checkpoint folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"checkpoint folder {folder} does not exist")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise UserError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
+    raw = _read_json(path)
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"{path}: model_type {model_type!r} is not supported "
+                        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    # transformers >= 5 writes "rope_parameters"; checkpoints on the Hub carry rope_theta/rope_scaling.
+    rope = raw.get("rope_parameters") or {}
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        cfg = dict(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise UserError(f"{path}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: bad value ({e})") from None
+    if cfg["num_heads"] % cfg["num_kv_heads"]:
+        raise UserError(f"{path}: num_attention_heads {heads} is not a multiple of "
+                        f"num_key_value_heads {cfg['num_kv_heads']}")
+    if model_type == "qwen2":
+        cfg["qkv_bias"] = True
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    else:
+        cfg["qkv_bias"] = cfg["o_bias"] = bool(raw.get("attention_bias", False))
+        cfg["mlp_bias"] = bool(raw.get("mlp_bias", False))
+        window = raw.get("sliding_window") if model_type == "mistral" else None
+    cfg["sliding_window"] = int(window) if window else None
+    cfg["rope_scaling"] = _rope_scaling(raw.get("rope_scaling") or rope, path)
+    cfg["torch_dtype"] = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+    gen_path = folder / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    bos = gen.get("bos_token_id", raw.get("bos_token_id"))
+    cfg["bos_token_id"] = int(bos) if isinstance(bos, int) else None
+    cfg["eos_token_ids"] = tuple(dict.fromkeys(_ids(raw.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
+    pad = raw.get("pad_token_id")
+    cfg["pad_token_id"] = int(pad) if isinstance(pad, int) else None
+    return ModelConfig(**cfg, extra=raw)

@@ -1,0 +1,71 @@
+"""Static K/V buffers for every layer of one sequence.
+
+A forward pass writes the K/V of its S new tokens into the slots right after the committed
+length (`length .. length+S`) and attends over `0 .. length+S` with an explicit mask. The caller
+then decides what to keep, with one explicit call: `advance(S)` keeps all of them (plain
+decoding), `commit(slots)` gathers chosen slots (an accepted tree path) into the next contiguous
+positions, and `truncate(n)` forgets everything after n tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)  # [L, B, KVH, T, D]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def ensure_capacity(self, tokens: int) -> None:
+        """Grow the buffers (keeping their contents) so that `tokens` slots exist."""
+        if tokens <= self.capacity:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:3] + (tokens,) + old.shape[4:])
+            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, new)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' K/V after the committed length; return K/V over all visible slots.
+
+        k, v: [B, KVH, S, D] -> returns [B, KVH, length+S, D] views.
+        """
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} tokens, capacity {self.capacity}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, tokens: int) -> None:
+        """Keep the K/V of the `tokens` slots written by the last forward pass."""
+        if self.length + tokens > self.capacity:
+            raise ValueError(f"KV cache overflow: {self.length + tokens} tokens, capacity {self.capacity}")
+        self.length += tokens
+
+    def commit(self, slots: list[int] | torch.Tensor) -> None:
+        """Gather the given scratch slots (absolute indices >= length) into the next contiguous
+        slots, all layers at once, and keep them."""
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        n = idx.numel()
+        end = self.length + n
+        self.k[:, :, :, self.length:end] = self.k.index_select(3, idx)
+        self.v[:, :, :, self.length:end] = self.v.index_select(3, idx)
+        self.length = end
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a {self.length}-token cache to {length}")
+        self.length = length

@@ -1,0 +1,167 @@
+"""The Llama-family math: embedding, RMSNorm, RoPE (with llama3 scaling), GQA attention over a
+KV cache with an explicit mask and explicit position ids, SwiGLU MLP, final norm and head.
+
+Layers are plain dicts of tensors (names relative to "model.layers.{i}.") so that an executor
+can own where their weights live; `decoder_layer` is a pure function of (weights, activations,
+cache). Prefill, decode and tree verification all go through `Transformer.forward`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+LayerWeights = dict[str, torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as the reference implementation does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2], with llama3 or linear scaling applied when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs.kind == "linear":
+        return inv_freq / rs.factor
+    # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend in between.
+    old = rs.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class Rope:
+    cos: torch.Tensor  # [1, 1, S, D]
+    sin: torch.Tensor  # [1, 1, S, D]
+
+    @staticmethod
+    def at(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
+        return Rope(emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * self.cos + rotated * self.sin
+
+
+def _linear(x: torch.Tensor, w: LayerWeights, name: str) -> torch.Tensor:
+    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int,
+              mask: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Grouped-query attention of the new tokens over the cached prefix plus themselves."""
+    B, S, _ = x.shape
+    q = _linear(x, w, "self_attn.q_proj").view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+    k = _linear(x, w, "self_attn.k_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    v = _linear(x, w, "self_attn.v_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    q, k = rope.apply(q), rope.apply(k)  # q: [B, H, S, D]; k, v: [B, KVH, S, D]
+    keys, values = cache.write(layer, k, v)  # [B, KVH, T, D], T = cached + S
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None],
+                                         enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+    out = out.transpose(1, 2).reshape(B, S, cfg.num_heads * cfg.head_dim)  # [B, S, H*D]
+    return _linear(out, w, "self_attn.o_proj")
+
+
+def mlp(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return _linear(F.silu(_linear(x, w, "mlp.gate_proj")) * _linear(x, w, "mlp.up_proj"), w, "mlp.down_proj")
+
+
+def decoder_layer(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int,
+                  mask: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    h = x + attention(w, rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps), rope, cache,
+                      layer, mask, cfg)
+    return h + mlp(w, rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+
+
+def causal_mask(past: int, new: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """[new, past+new] bool: each new token sees the whole past and the new tokens up to itself."""
+    cols = torch.arange(past + new, device=device)
+    rows = torch.arange(new, device=device)[:, None] + past
+    return cols[None, :] <= rows
+
+
+class Transformer:
+    """A Llama-family decoder with all weights given as tensors (resident on one device)."""
+
+    def __init__(self, cfg: ModelConfig, globals_: dict[str, torch.Tensor], layers: list[LayerWeights],
+                 dtype: torch.dtype, device: torch.device):
+        self.cfg = cfg
+        self.embed = globals_["model.embed_tokens.weight"]
+        self.norm = globals_["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else globals_["lm_head.weight"]
+        self.layers = layers
+        self.dtype = dtype
+        self.device = device
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",
+                        progress: Iterable[int] | None = None) -> "Transformer":
+        device = torch.device(device)
+        ckpt.check()
+        cfg = ckpt.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        globals_ = {n: ckpt.load(n, dtype, device) for n in names}
+        layers = [ckpt.load_layer(i, dtype, device) for i in (progress or range(cfg.num_layers))]
+        return cls(cfg, globals_, layers, dtype, device)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device)
+
+    def layer_weights(self) -> Iterable[LayerWeights]:
+        """The decoder layers' weights, in order (an executor may stream them instead)."""
+        return self.layers
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None = None, logits_rows: slice | None = None) -> torch.Tensor:
+        """Logits [S', V] (fp32) for new tokens input_ids [S] at `positions` [S].
+
+        mask: [S, cache.length + S] bool (True = may attend); causal when None.
+        The new tokens' K/V are written after cache.length; the caller keeps them with
+        cache.advance / cache.commit. logits_rows selects the rows that need logits.
+        """
+        S = input_ids.shape[0]
+        if mask is None:
+            mask = causal_mask(cache.length, S, self.device)
+        rope = Rope.at(self.inv_freq, positions.to(self.device), self.dtype)
+        x = F.embedding(input_ids.to(self.device), self.embed)[None]  # [1, S, hidden]
+        for i, w in enumerate(self.layer_weights()):
+            x = decoder_layer(w, x, rope, cache, i, mask, self.cfg)
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head)[0].float()  # [S', V]
+
+    def nbytes(self) -> int:
+        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors += [t for w in self.layers for t in w.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
