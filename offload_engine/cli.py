@@ -1,0 +1,190 @@
+"""The command line: parse arguments, build the engine, call one library function.
+
+User mistakes print one line `sequoia-offload: error: ...` on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then give one fact about it."
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--target", default="default",
+                   help="checkpoint folder (Hugging Face layout) or 'default' (embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--dtype", default=None, help="compute dtype: bfloat16, float16, float32 "
+                                                 "(default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--max-context", type=int, default=None, help="longest sequence in tokens (default: "
+                                                                "the model's limit, at most 8192)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sequoia-offload", description=(
+        "Run a Llama-family model exactly on one GPU (or the CPU). With no command: a one-turn chat "
+        "demo with the embedded default model."))
+    sub = parser.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="one streamed chat turn with the embedded default model")
+    _model_args(demo)
+    gen = sub.add_parser("generate", help="generate from a prompt")
+    _model_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--json", action="store_true",
+                     help='print one JSON object {"text", "token_ids", "stats"} on stdout and nothing else')
+    chat = sub.add_parser("chat", help="interactive multi-turn chat with streamed answers")
+    _model_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    conv = sub.add_parser("convert-gguf", help="convert a llama-architecture GGUF file to a Hugging Face folder")
+    conv.add_argument("gguf_file", type=Path)
+    conv.add_argument("out_dir", type=Path)
+    conv.add_argument("--dtype", default="float32", help="dtype of the written weights (default float32)")
+    sub.add_parser("default-model", help="print the embedded default model's folder (converting it first if needed)")
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop)
+
+
+def _load(args: argparse.Namespace, quiet: bool = False):
+    from .engine import Engine
+    return Engine.load(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
+                       progress=not quiet)
+
+
+def _printer(token_id: int, text: str) -> None:
+    if text:
+        print(text, end="", flush=True)
+
+
+def _stats_line(stats: dict) -> str:
+    return (f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s; "
+            f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_seconds']:.2f} s; "
+            f"finish: {stats['finish_reason']}]")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    print(f"model: {engine.folder.name} on {engine.model.device} ({engine.model.dtype})")
+    print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
+    result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=96,
+                             on_token=_printer)
+    print("\n" + _stats_line(result.stats))
+    return 0
+
+
+def _messages(prompt: str, system: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _load(args, quiet=args.json)
+    source = {"messages": _messages(args.prompt, args.system)} if args.chat else {"prompt": args.prompt}
+    result = engine.generate(**source, **_sampling(args), on_token=None if args.json else _printer)
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+    else:
+        print("\n" + _stats_line(result.stats), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    last_stats: dict | None = None
+    print("chat: type a message; /reset clears the history, /stats shows the last answer's stats, "
+          "/exit quits; Ctrl-C stops an answer.")
+    while True:
+        try:
+            line = input("\nyou> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            print("(history cleared)")
+            continue
+        if line == "/stats":
+            print(json.dumps(last_stats, indent=2) if last_stats else "(no answer yet)")
+            continue
+        history.append({"role": "user", "content": line})
+        answer: list[str] = []
+
+        def on_token(token_id: int, text: str) -> None:
+            answer.append(text)
+            _printer(token_id, text)
+
+        print("assistant> ", end="", flush=True)
+        try:
+            last_stats = engine.generate(messages=history, **_sampling(args), on_token=on_token).stats
+            print("\n" + _stats_line(last_stats))
+        except KeyboardInterrupt:
+            print("\n(stopped)")
+        except UserError as e:  # e.g. the conversation outgrew the context: keep the session
+            print(f"\nerror: {e}")
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .config import parse_dtype
+    from .gguf_import import convert_gguf
+    out = convert_gguf(args.gguf_file, args.out_dir, dtype=parse_dtype(args.dtype))
+    print(out)
+    return 0
+
+
+def cmd_default_model(args: argparse.Namespace) -> int:
+    from .default_model import default_model_dir
+    print(default_model_dir(progress=True))
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "convert-gguf": cmd_convert,
+            "default-model": cmd_default_model}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["demo"])
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        print(f"sequoia-offload: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

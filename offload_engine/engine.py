@@ -1,0 +1,176 @@
+"""The public API: `Engine.load(...)` then `engine.generate(...)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sequoia_trees.sampling import SamplingParams, next_token
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig, load_config, parse_dtype
+from .detokenize import TextStream
+from .errors import UserError
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+DEFAULT_MAX_CONTEXT = 8192
+OnToken = Callable[[int, str], None]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # the new tokens only (an end-of-sequence token included when one ended it)
+    finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length"
+    stats: dict = field(default_factory=dict)
+
+
+def resolve_target(target: str | Path | None, progress: bool = True) -> Path:
+    """'default' (or None) is the embedded SmolLM2-135M-Instruct; anything else is a folder."""
+    if target is None or str(target) == "default":
+        from .default_model import default_model_dir
+        return default_model_dir(progress=progress)
+    folder = Path(target).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"checkpoint folder {folder} does not exist")
+    return folder
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {device} asked for, but torch sees no CUDA GPU")
+    if device.type not in ("cuda", "cpu"):
+        raise UserError(f"device {device} is not supported (use cpu or cuda)")
+    return device
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, folder: Path, max_context: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.folder = folder
+        self.max_context = max_context
+        cfg = model.cfg
+        eos = set(cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @classmethod
+    def load(cls, target: str | Path | None = "default", device: str | torch.device | None = None,
+             dtype: str | torch.dtype | None = None, max_context: int | None = None,
+             progress: bool = True) -> "Engine":
+        """Load a checkpoint folder (or "default") onto `device` in `dtype`.
+
+        dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
+        own limit, capped at 8192 tokens.
+        """
+        folder = resolve_target(target, progress)
+        dev = resolve_device(device)
+        dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        cfg = load_config(folder)
+        tokenizer = Tokenizer.from_folder(folder)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise UserError(f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                            f"vocab_size is {cfg.vocab_size}")
+        limit = max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
+        if limit > cfg.max_context:
+            raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
+        ckpt = Checkpoint(folder, cfg)
+        layers = tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", leave=False,
+                      disable=not progress)
+        try:
+            model = Transformer.from_checkpoint(ckpt, dt, dev, progress=layers)
+        finally:
+            ckpt.close()
+        return cls(model, tokenizer, folder, limit)
+
+    def prompt_ids(self, prompt: str | None = None, input_ids: list[int] | None = None,
+                   messages: list[dict] | None = None) -> list[int]:
+        """Exactly one of a text prompt, token ids, or chat messages -> token ids."""
+        given = [x is not None for x in (prompt, input_ids, messages)]
+        if sum(given) != 1:
+            raise UserError("give exactly one of prompt=, input_ids= or messages=")
+        if messages is not None:
+            if not messages:
+                raise UserError("messages is empty")
+            ids = self.tokenizer.encode_chat(messages)
+        elif prompt is not None:
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in input_ids]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise UserError(f"input_ids contains {bad[0]}, outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if not ids:
+            raise UserError("the prompt is empty (no tokens)")
+        if len(ids) >= self.max_context:
+            raise UserError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
+                            "(--max-context)")
+        return ids
+
+    def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
+                 messages: list[dict] | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+                 on_token: OnToken | None = None) -> GenerationResult:
+        """Plain decoding. on_token(token_id, text) is called for every new token with the text it
+        makes safe to show (possibly ''); the result's text excludes a matched stop string."""
+        try:
+            params = SamplingParams(temperature, top_p, top_k)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = self.prompt_ids(prompt, input_ids, messages)
+        generator = torch.Generator(device=self.model.device)
+        generator.manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
+        return self._decode(ids, max_new_tokens, params, generator, stop, on_token)
+
+    def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
+                generator: torch.Generator, stop: list[str] | None, on_token: OnToken | None) -> GenerationResult:
+        model, device = self.model, self.model.device
+        budget = min(max_new_tokens, self.max_context - len(ids))
+        cache = model.new_cache(len(ids) + budget)
+        stream = TextStream(self.tokenizer.decode, stop)
+        start = time.perf_counter()
+        n = len(ids)
+        logits = model.forward(torch.tensor(ids, device=device), torch.arange(n, device=device), cache,
+                               logits_rows=slice(n - 1, n))
+        cache.advance(n)
+        prefill_s = time.perf_counter() - start
+        new: list[int] = []
+        while True:
+            token = next_token(logits[-1], params, generator)
+            new.append(token)
+            eos = token in self.eos_token_ids
+            text = "" if eos else stream.push(token)
+            done = eos or stream.stopped or len(new) >= budget
+            if done:
+                text += stream.finish()
+            if on_token is not None:
+                on_token(token, text)
+            if done:
+                break
+            pos = torch.tensor([cache.length], device=device)
+            logits = model.forward(torch.tensor([token], device=device), pos, cache)
+            cache.advance(1)
+        finish = "stop" if eos or stream.stopped else "length"
+        seconds = time.perf_counter() - start
+        stats = {"prompt_tokens": n, "new_tokens": len(new), "seconds": seconds,
+                 "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,
+                 "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
+                 "finish_reason": finish}
+        return GenerationResult(stream.text, new, finish, stats)
