@@ -90,6 +90,7 @@ class Engine:
         if limit > cfg.max_context:
             raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
         ckpt = Checkpoint(folder, cfg)
+        ckpt.check()  # every tensor present with the right shape, before any allocation
         layers = tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", leave=False,
                       disable=not progress)
         try:

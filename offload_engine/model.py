@@ -122,7 +122,6 @@ class Transformer:
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",
                         progress: Iterable[int] | None = None) -> "Transformer":
         device = torch.device(device)
-        ckpt.check()
         cfg = ckpt.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not cfg.tie_word_embeddings:

@@ -61,6 +61,12 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama3-gqa", seed: int
         bos_token_id=0, eos_token_id=2, initializer_range=init_std, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers zero-initialises biases and norms: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, init_std)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tok.save(str(path / "tokenizer.json"))
