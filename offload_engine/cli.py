@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then give one fact about it."
+DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +89,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     engine = _load(args)
     print(f"model: {engine.folder.name} on {engine.model.device} ({engine.model.dtype})")
     print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
-    result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=96,
+    result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=128,
                              on_token=_printer)
     print("\n" + _stats_line(result.stats))
     return 0
