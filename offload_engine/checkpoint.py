@@ -146,7 +146,9 @@ class Checkpoint:
             tensor = self._handle(path).get_tensor(name)
         except SafetensorError as e:
             raise UserError(f"{path}: cannot read tensor {name} ({e})") from None
-        return tensor.to(device=device, dtype=dtype)
+        # Always a fresh allocation: safetensors' memory map gives 8-byte aligned data, and CPU
+        # matmul kernels round differently on unaligned weights (streamed blocks are aligned).
+        return tensor.to(device=device, dtype=dtype, copy=True)
 
     def load_layer(self, index: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """All tensors of decoder layer `index`, keyed by their names relative to the layer."""

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from sequoia_trees.sampling import SamplingParams, next_token
 
@@ -16,7 +15,9 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config, parse_dtype
 from .detokenize import TextStream
 from .errors import UserError
+from .loader import OffloadOptions, load_target, make_placement
 from .model import Transformer
+from .placement import PlacementPlan
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -54,8 +55,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, folder: Path, max_context: int):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, folder: Path, max_context: int,
+                 plan: PlacementPlan, max_batch_tokens: int):
         self.model = model
+        self.plan = plan
+        self.max_batch_tokens = max_batch_tokens
         self.tokenizer = tokenizer
         self.folder = folder
         self.max_context = max_context
@@ -71,12 +75,14 @@ class Engine:
 
     @classmethod
     def load(cls, target: str | Path | None = "default", device: str | torch.device | None = None,
-             dtype: str | torch.dtype | None = None, max_context: int | None = None,
-             progress: bool = True) -> "Engine":
+             dtype: str | torch.dtype | None = None, max_context: int | None = None, *,
+             offload: str = "auto", vram: int | str | None = None, ram: int | str | None = None,
+             buffers: int = 2, max_batch_tokens: int = 1024, progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
-        own limit, capped at 8192 tokens.
+        own limit, capped at 8192 tokens. offload/vram/ram/buffers place the target's layers
+        (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB".
         """
         folder = resolve_target(target, progress)
         dev = resolve_device(device)
@@ -89,15 +95,27 @@ class Engine:
         limit = max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
         if limit > cfg.max_context:
             raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
+        if max_batch_tokens < 1:
+            raise UserError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens)
         ckpt = Checkpoint(folder, cfg)
-        ckpt.check()  # every tensor present with the right shape, before any allocation
-        layers = tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", leave=False,
-                      disable=None if progress else True)  # None: no bar when not a terminal
         try:
-            model = Transformer.from_checkpoint(ckpt, dt, dev, progress=layers)
+            ckpt.check()  # every tensor present with the right shape, before any allocation
+            plan = make_placement(cfg, dt, dev, opts, limit)
+            model = load_target(ckpt, dt, dev, plan, opts, progress)
         finally:
             ckpt.close()
-        return cls(model, tokenizer, folder, limit)
+        return cls(model, tokenizer, folder, limit, plan, max_batch_tokens)
+
+    def close(self) -> None:
+        """Stop the layer loader and release the disk reader (also done at exit)."""
+        self.model.layers.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def prompt_ids(self, prompt: str | None = None, input_ids: list[int] | None = None,
                    messages: list[dict] | None = None) -> list[int]:
@@ -146,11 +164,10 @@ class Engine:
         budget = min(max_new_tokens, self.max_context - len(ids))
         cache = model.new_cache(len(ids) + budget)
         stream = TextStream(self.tokenizer.decode, stop)
+        before = model.layers.snapshot()
         start = time.perf_counter()
         n = len(ids)
-        logits = model.forward(torch.tensor(ids, device=device), torch.arange(n, device=device), cache,
-                               logits_rows=slice(n - 1, n))
-        cache.advance(n)
+        logits = self._prefill(ids, cache)
         prefill_s = time.perf_counter() - start
         new: list[int] = []
         while True:
@@ -173,5 +190,16 @@ class Engine:
         stats = {"prompt_tokens": n, "new_tokens": len(new), "seconds": seconds,
                  "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,
                  "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
-                 "finish_reason": finish}
+                 "finish_reason": finish, **model.layers.snapshot().minus(before).as_dict()}
         return GenerationResult(stream.text, new, finish, stats)
+
+    def _prefill(self, ids: list[int], cache) -> torch.Tensor:
+        """Prompt K/V into the cache in chunks of at most max_batch_tokens; last row's logits."""
+        device, step = self.model.device, self.max_batch_tokens
+        for lo in range(0, len(ids), step):
+            hi = min(lo + step, len(ids))
+            logits = self.model.forward(torch.tensor(ids[lo:hi], device=device),
+                                        torch.arange(lo, hi, device=device), cache,
+                                        logits_rows=slice(hi - lo - 1, hi - lo))
+            cache.advance(hi - lo)
+        return logits

@@ -105,9 +105,10 @@ def causal_mask(past: int, new: int, device: str | torch.device = "cpu") -> torc
 
 
 class Transformer:
-    """A Llama-family decoder with all weights given as tensors (resident on one device)."""
+    """A Llama-family decoder. `layers` is any re-iterable of per-layer weights on the device: a
+    list when everything is resident, a `LayerExecutor` when layers stream in."""
 
-    def __init__(self, cfg: ModelConfig, globals_: dict[str, torch.Tensor], layers: list[LayerWeights],
+    def __init__(self, cfg: ModelConfig, globals_: dict[str, torch.Tensor], layers: Iterable[LayerWeights],
                  dtype: torch.dtype, device: torch.device):
         self.cfg = cfg
         self.embed = globals_["model.embed_tokens.weight"]
@@ -134,10 +135,6 @@ class Transformer:
         cfg = self.cfg
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device)
 
-    def layer_weights(self) -> Iterable[LayerWeights]:
-        """The decoder layers' weights, in order (an executor may stream them instead)."""
-        return self.layers
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, logits_rows: slice | None = None) -> torch.Tensor:
@@ -152,15 +149,9 @@ class Transformer:
             mask = causal_mask(cache.length, S, self.device)
         rope = Rope.at(self.inv_freq, positions.to(self.device), self.dtype)
         x = F.embedding(input_ids.to(self.device), self.embed)[None]  # [1, S, hidden]
-        for i, w in enumerate(self.layer_weights()):
+        for i, w in enumerate(self.layers):
             x = decoder_layer(w, x, rope, cache, i, mask, self.cfg)
         if logits_rows is not None:
             x = x[:, logits_rows]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return F.linear(x, self.lm_head)[0].float()  # [S', V]
-
-    def nbytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        tensors += [t for w in self.layers for t in w.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
-

@@ -1,0 +1,71 @@
+"""Build a target model on the device according to a placement plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .default_model import cache_root
+from .layer_store import LayerLayout, aligned_buffer, open_or_build
+from .model import Transformer
+from .placement import PlacementPlan, default_budgets, make_plan, parse_size
+from .streamer import LayerExecutor
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Where the target's layers may live (the --offload/--vram/--ram/--buffers flags)."""
+    offload: str = "auto"  # auto | none | ram | disk
+    vram: int | str | None = None  # device budget; default: free device memory minus a margin
+    ram: int | str | None = None  # RAM budget for streamed layers; default: free RAM minus a margin
+    buffers: int = 2  # device layer buffers that streamed layers rotate through
+    max_batch_tokens: int = 1024  # widest forward pass (prefill chunk, largest tree)
+    direct_io: bool = True  # O_DIRECT for the disk tier
+    store_root: Path | None = None  # where packed layer stores live (default: the cache folder)
+
+
+def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, opts: OffloadOptions,
+                   max_context: int, draft_bytes: int = 0) -> PlacementPlan:
+    default_vram, default_ram = (None, None)
+    if opts.vram is None or opts.ram is None:
+        default_vram, default_ram = default_budgets(device)
+    return make_plan(cfg, dtype, offload=opts.offload,
+                     vram_bytes=parse_size(opts.vram) if opts.vram is not None else default_vram,
+                     ram_bytes=parse_size(opts.ram) if opts.ram is not None else default_ram,
+                     buffers=opts.buffers, max_context=max_context, max_batch_tokens=opts.max_batch_tokens,
+                     draft_bytes=draft_bytes)
+
+
+def _host_block(nbytes: int, pinned: bool) -> torch.Tensor:
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return aligned_buffer(nbytes)
+
+
+def load_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, plan: PlacementPlan,
+                opts: OffloadOptions, progress: bool = True) -> Transformer:
+    """Resident parts onto the device, streamed layers into the RAM tier or the disk store."""
+    cfg = ckpt.config
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    globals_ = {n: ckpt.load(n, dtype, device) for n in names}
+    bar = tqdm(plan.resident_layers, desc="loading resident layers", unit="layer", leave=False,
+               disable=None if progress else True)
+    resident = {i: ckpt.load_layer(i, dtype, device) for i in bar}
+    layout = LayerLayout.for_config(cfg, dtype)
+    ram_blocks: dict[int, torch.Tensor] = {}
+    reader = None
+    if plan.streamed_layers:
+        store = open_or_build(ckpt, dtype, opts.store_root or cache_root() / "stores", progress)
+        for i in plan.ram_layers:
+            ram_blocks[i] = store.load_block(i, _host_block(layout.block_bytes, device.type == "cuda"))
+        if plan.disk_layers:
+            reader = store.reader(direct=opts.direct_io)
+    executor = LayerExecutor(plan, layout, device, resident, ram_blocks, reader)
+    return Transformer(cfg, globals_, executor, dtype, device)

@@ -1,0 +1,255 @@
+"""The layer-streaming executor: one pipelined loop over the decoder layers.
+
+Resident layers are yielded as they are. Streamed layers pass through `k` device buffers: a
+loader thread fills buffer (n mod k) with the n-th streamed layer (cycling over passes, so the
+first streamed layers of the next pass load during the tail of this one) while the compute side
+runs the layer in another buffer.
+
+On CUDA the loader issues non-blocking copies from pinned memory on its own `copy_stream` and
+records a per-buffer `ready` event; the compute stream waits on that event (a GPU-side wait) and
+records a per-buffer `free` event after the layer, which the copy stream waits on before reusing
+the buffer. Disk-tier layers are read with O_DIRECT into pinned staging buffers first. Nothing
+inside a pass synchronises the device. On the CPU the same loop runs with the loader thread doing
+the memcpy (RAM tier) or the O_DIRECT read straight into the buffer (disk tier).
+
+Two semaphores per buffer order the CPU sides: `free` (the compute side is done issuing work on
+the buffer, so its free event is recorded) and `ready` (the loader has issued or done the fill).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .layer_store import BlockReader, LayerLayout, aligned_buffer
+from .model import LayerWeights
+from .placement import PlacementPlan
+
+_POLL_S = 0.2  # how often a blocked thread checks whether the executor was closed
+
+
+@dataclass
+class StreamStats:
+    target_passes: int = 0
+    bytes_streamed: int = 0
+    copy_seconds: float = 0.0  # time spent moving layer bytes (disk reads + copies)
+    compute_seconds: float = 0.0  # time the compute side spent in layers
+    stall_seconds: float = 0.0  # time the compute side waited for a layer's bytes
+    pass_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["effective_gbps"] = self.bytes_streamed / self.pass_seconds / 1e9 if self.pass_seconds else 0.0
+        return d
+
+    def minus(self, other: "StreamStats") -> "StreamStats":
+        return StreamStats(**{k: getattr(self, k) - getattr(other, k) for k in self.__dict__})
+
+
+class _Clock:
+    """Timestamps on the compute/copy timeline: CUDA events on a GPU, perf_counter on the CPU.
+
+    Events are resolved into seconds only when stats are read, after the pass, so timing never
+    synchronises inside a pass.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class LayerExecutor:
+    """Yields each decoder layer's weights on the device, in order, once per `passes()` iteration."""
+
+    def __init__(self, plan: PlacementPlan, layout: LayerLayout, device: torch.device,
+                 resident: dict[int, LayerWeights], ram_blocks: dict[int, torch.Tensor],
+                 reader: BlockReader | None):
+        self.plan, self.layout, self.device = plan, layout, device
+        self.resident, self.ram_blocks, self.reader = resident, ram_blocks, reader
+        self.order = plan.streamed_layers
+        self.cuda = device.type == "cuda"
+        self.clock = _Clock(self.cuda)
+        self.stats = StreamStats()
+        self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._consumed = 0
+        k = plan.buffers if self.order else 0
+        self.buffers = [self._device_block() for _ in range(k)]
+        self.views = [layout.views(b) for b in self.buffers]
+        self.free = [threading.Semaphore(1) for _ in range(k)]
+        self.ready = [threading.Semaphore(0) for _ in range(k)]
+        if self.cuda and self.order:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.ready_events = [torch.cuda.Event() for _ in range(k)]
+            self.free_events = [torch.cuda.Event() for _ in range(k)]
+            self.staging = [_pinned_aligned(layout.block_bytes) for _ in range(2)] if plan.disk_layers else []
+            self.staged_events = [torch.cuda.Event() for _ in self.staging]
+        self._thread = None
+        if self.order:
+            self._thread = threading.Thread(target=self._loader, name="layer-loader", daemon=True)
+            self._thread.start()
+
+    def _device_block(self) -> torch.Tensor:
+        if self.cuda:
+            return torch.empty(self.layout.block_bytes, dtype=torch.uint8, device=self.device)
+        return aligned_buffer(self.layout.block_bytes)  # page-aligned: O_DIRECT reads land here
+
+    # ---- the compute side -------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[LayerWeights]:
+        """One pass over all layers. Abandoning it midway drains the rest, keeping the loader in step."""
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        pass_start = self.clock.mark(stream)
+        last_end, done, held = pass_start, 0, None
+        try:
+            for i in range(self.plan.num_layers):
+                if i in self.resident:
+                    w = self.resident[i]
+                else:
+                    b = self._consumed % len(self.buffers)
+                    self._acquire(self.ready[b])
+                    held = b
+                    if self.cuda:
+                        stream.wait_event(self.ready_events[held])
+                    w = self.views[held]
+                start = self.clock.mark(stream)
+                self._pending.append(("stall_seconds", last_end, start))
+                yield w
+                last_end = self.clock.mark(stream)
+                self._pending.append(("compute_seconds", start, last_end))
+                if held is not None:
+                    self._release(held, stream)
+                    held = None
+                done = i + 1
+        finally:
+            if held is not None:  # abandoned while holding a buffer
+                self._release(held, stream)
+                done += 1
+            if done < self.plan.num_layers:
+                self._drain(done)
+        self._pending.append(("pass_seconds", pass_start, last_end))
+        with self._lock:
+            self.stats.target_passes += 1
+            self.stats.bytes_streamed += self.plan.bytes_per_pass
+
+    def _release(self, b: int, stream) -> None:
+        """The compute side is done issuing work on buffer b: hand it back to the loader."""
+        if self.cuda:
+            self.free_events[b].record(stream)
+        self._consumed += 1
+        self.free[b].release()
+
+    def _drain(self, first: int) -> None:
+        for i in range(first, self.plan.num_layers):
+            if i not in self.resident:
+                b = self._consumed % len(self.buffers)
+                self._acquire(self.ready[b])
+                self._consumed += 1
+                self.free[b].release()
+
+    def _acquire(self, sem: threading.Semaphore) -> None:
+        while not sem.acquire(timeout=_POLL_S):
+            if self._error is not None:
+                raise RuntimeError(f"layer loader failed: {self._error}") from self._error
+            if self._stop.is_set():
+                raise RuntimeError("layer executor is closed")
+        if self._error is not None:
+            raise RuntimeError(f"layer loader failed: {self._error}") from self._error
+
+    def snapshot(self) -> StreamStats:
+        """Stats so far (resolves pending CUDA timings: call between passes, never inside one)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for name, start, end in pending:
+                setattr(self.stats, name, getattr(self.stats, name) + self.clock.seconds(start, end))
+            return StreamStats(**self.stats.__dict__)
+
+    # ---- the loader thread ------------------------------------------------------------------
+
+    def _loader(self) -> None:
+        n = 0
+        try:
+            while not self._stop.is_set():
+                layer = self.order[n % len(self.order)]
+                b = n % len(self.buffers)
+                source = self._stage(layer, n)
+                while not self.free[b].acquire(timeout=_POLL_S):
+                    if self._stop.is_set():
+                        return
+                self._fill(layer, b, source, n)
+                self.ready[b].release()
+                n += 1
+        except BaseException as e:  # surfaced on the compute side by _acquire
+            self._error = e
+            for sem in self.ready:
+                sem.release()
+
+    def _stage(self, layer: int, n: int) -> torch.Tensor | None:
+        """CUDA + disk tier: read the block into a pinned staging buffer before a device buffer frees."""
+        if not (self.cuda and layer in self.plan.disk_layers):
+            return None
+        s = n % len(self.staging)
+        self.staged_events[s].synchronize()  # the copy that last read this staging buffer is done
+        t0 = time.perf_counter()
+        self.reader.read(layer, self.staging[s])
+        with self._lock:
+            self.stats.copy_seconds += time.perf_counter() - t0
+        return self.staging[s]
+
+    def _fill(self, layer: int, b: int, staged: torch.Tensor | None, n: int) -> None:
+        dest = self.buffers[b]
+        if self.cuda:
+            src = staged if staged is not None else self.ram_blocks[layer]
+            self.copy_stream.wait_event(self.free_events[b])  # compute is done with this buffer
+            start = self.clock.mark(self.copy_stream)
+            with torch.cuda.stream(self.copy_stream):
+                dest.copy_(src, non_blocking=True)
+            self.ready_events[b].record(self.copy_stream)
+            end = self.clock.mark(self.copy_stream)
+            if staged is not None:
+                self.staged_events[n % len(self.staging)].record(self.copy_stream)
+            with self._lock:
+                self._pending.append(("copy_seconds", start, end))
+            return
+        t0 = time.perf_counter()
+        if layer in self.ram_blocks:
+            dest.copy_(self.ram_blocks[layer])
+        else:
+            self.reader.read(layer, dest)
+        with self._lock:
+            self.stats.copy_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self.reader is not None:
+            self.reader.close()
+
+
+def _pinned_aligned(nbytes: int) -> torch.Tensor:
+    """Page-aligned pinned host memory (O_DIRECT needs the alignment, async copies the pinning)."""
+    block = aligned_buffer(nbytes)
+    rc = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with error {int(rc)}")
+    return block

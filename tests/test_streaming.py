@@ -1,0 +1,115 @@
+"""The layer-streaming executor against the fully resident model: bitwise equal logits (CPU, fp32)."""
+
+import pytest
+import torch
+
+from offload_engine.checkpoint import Checkpoint
+from offload_engine.config import load_config
+from offload_engine.layer_store import LayerLayout
+from offload_engine.loader import OffloadOptions, load_target
+from offload_engine.model import Transformer, causal_mask
+from offload_engine.placement import fixed_parts, make_plan
+from tiny_models import make_tiny_checkpoint
+
+LAYERS = 4
+BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("stream") / "m", "llama3-gqa", layers=LAYERS,
+                                  init_std=0.1)
+    return Checkpoint(folder, load_config(folder))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return Transformer.from_checkpoint(ckpt, torch.float32)
+
+
+def random_tree_mask(prefix: int, n: int, seed: int):
+    """A random tree of n nodes after `prefix` committed tokens: ancestor mask and depth positions."""
+    g = torch.Generator().manual_seed(seed)
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    depth = [0] * n
+    mask = torch.zeros(n, prefix + n, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for i in range(n):
+        j = i
+        while j != -1:
+            mask[i, prefix + j] = True
+            j = parent[j]
+        depth[i] = 0 if parent[i] == -1 else depth[parent[i]] + 1
+    return mask, torch.tensor(depth) + prefix
+
+
+def run_script(model, vocab):
+    """Prefill, single-token decode, a 64-node tree batch with a custom mask; two rounds (wrap-around)."""
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_cache(128)
+    outs = []
+    ids = torch.randint(0, vocab, (20,), generator=g)
+    outs.append(model.forward(ids, torch.arange(20), cache))
+    cache.advance(20)
+    outs.append(model.forward(ids[:1], torch.tensor([20]), cache))
+    cache.advance(1)
+    mask, pos = random_tree_mask(21, BATCH, seed=1)
+    outs.append(model.forward(torch.randint(0, vocab, (BATCH,), generator=g), pos, cache, mask=mask))
+    cache.commit([21, 21 + 5])  # keep two of the tree's slots
+    outs.append(model.forward(ids[2:5], torch.arange(23, 26), cache, mask=causal_mask(23, 3)))
+    return outs
+
+
+def plan_for(ckpt, offload, buffers, resident=0, ram_layers=0):
+    """A plan with exactly `resident` device layers and `ram_layers` RAM layers (rest on disk)."""
+    cfg = ckpt.config
+    layer = LayerLayout.for_config(cfg, torch.float32).block_bytes
+    fixed = sum(fixed_parts(cfg, torch.float32, 256, BATCH).values())
+    vram = fixed + (buffers + resident) * layer + layer // 2 if offload != "none" else 2**30
+    return make_plan(cfg, torch.float32, offload=offload, vram_bytes=vram, ram_bytes=ram_layers * layer,
+                     buffers=buffers, max_context=256, max_batch_tokens=BATCH)
+
+
+CASES = [("none", 2, 0, 0), ("disk", 1, 0, 0), ("disk", 2, 0, 0), ("disk", 3, 0, 0), ("ram", 1, 0, 4),
+         ("ram", 2, 0, 4), ("ram", 3, 0, 4), ("auto", 1, 2, 1), ("auto", 2, 1, 2), ("auto", 3, 0, 2)]
+
+
+@pytest.mark.parametrize("offload,buffers,resident,ram_layers", CASES)
+def test_streamed_logits_bitwise_equal_resident(ckpt, reference, tmp_path, offload, buffers, resident, ram_layers):
+    plan = plan_for(ckpt, offload, buffers, resident, ram_layers)
+    if offload == "none":
+        assert len(plan.resident_layers) == LAYERS and plan.buffers == 0
+    else:
+        assert len(plan.resident_layers) == resident and plan.buffers == buffers
+        assert len(plan.ram_layers) == min(ram_layers, LAYERS - resident)
+        assert len(plan.disk_layers) == LAYERS - resident - len(plan.ram_layers)
+    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
+                        OffloadOptions(offload, buffers=buffers, store_root=tmp_path), progress=False)
+    try:
+        expected = run_script(reference, ckpt.config.vocab_size)
+        got = run_script(model, ckpt.config.vocab_size)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+        stats = model.layers.snapshot()
+        assert stats.target_passes == len(expected)
+        assert stats.bytes_streamed == len(expected) * plan.bytes_per_pass
+        if plan.streamed_layers:
+            assert stats.copy_seconds > 0
+    finally:
+        model.layers.close()
+
+
+def test_abandoned_pass_keeps_the_loader_in_step(ckpt, reference, tmp_path):
+    """An exception inside a pass (here: a bad mask) must not desynchronise later passes."""
+    plan = plan_for(ckpt, "disk", 2)
+    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
+                        OffloadOptions("disk", store_root=tmp_path), progress=False)
+    try:
+        with pytest.raises(RuntimeError):
+            model.forward(torch.tensor([1, 2]), torch.arange(2), model.new_cache(8),
+                          mask=torch.ones(3, 3, dtype=torch.bool))
+        expected = run_script(reference, ckpt.config.vocab_size)
+        for a, b in zip(run_script(model, ckpt.config.vocab_size), expected):
+            assert torch.equal(a, b)
+    finally:
+        model.layers.close()
