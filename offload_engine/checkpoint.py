@@ -7,13 +7,12 @@ disagrees with its config is refused with the tensor's name.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import ModelConfig
+from .config import ModelConfig, read_json_object
 from .errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -77,10 +76,9 @@ class Checkpoint:
         index = self.folder / INDEX_NAME
         single = self.folder / SINGLE_NAME
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{index}: not a valid safetensors index (no weight_map)") from None
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{index}: not a valid safetensors index (no weight_map)")
             file_of = {name: self.folder / fname for name, fname in weight_map.items()}
             for path in sorted(set(file_of.values())):
                 if not path.is_file():
@@ -127,9 +125,13 @@ class Checkpoint:
         path = self.file_of[name]
         handle = self._handle(path)
         try:
-            shape = tuple(handle.get_slice(name).get_shape())
+            info = handle.get_slice(name)
+            shape, dtype = tuple(info.get_shape()), info.get_dtype()
         except SafetensorError as e:
             raise UserError(f"{path}: cannot read tensor {name} ({e})") from None
+        if dtype not in ("F32", "F16", "BF16"):
+            raise UserError(f"{path}: tensor {name} is stored as {dtype}; only F32, F16 and BF16 weights "
+                            "are supported")
         if shape != tuple(expected):
             raise UserError(f"{path}: tensor {name} has shape {list(shape)}, "
                             f"but config.json implies {list(expected)}")

@@ -100,6 +100,8 @@ def _messages(prompt: str, system: str | None) -> list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.system is not None and not args.chat:
+        raise UserError("--system needs --chat (a plain prompt has no system message)")
     engine = _load(args, quiet=args.json)
     source = {"messages": _messages(args.prompt, args.system)} if args.chat else {"prompt": args.prompt}
     result = engine.generate(**source, **_sampling(args), on_token=None if args.json else _printer)

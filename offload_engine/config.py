@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +65,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def kv_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     @property
     def max_context(self) -> int:
@@ -79,38 +74,54 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; any other content is a UserError naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
+        raise UserError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
 
 
-def _ids(value: Any) -> tuple[int, ...]:
+def _ids(value: Any, path: Path, key: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise UserError(f"{path}: {key} must be a token id or a list of token ids, got {value!r}")
+    return tuple(values)
 
 
-def _rope_scaling(raw: dict | None, path: Path) -> RopeScaling | None:
+def _rope_scaling(raw: Any, path: Path) -> RopeScaling | None:
     if not raw:
         return None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: rope_scaling must be an object, got {raw!r}")
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
         return None
-    if kind == "llama3":
-        return RopeScaling("llama3", float(raw["factor"]), float(raw.get("low_freq_factor", 1.0)),
-                           float(raw.get("high_freq_factor", 4.0)),
-                           int(raw.get("original_max_position_embeddings", 8192)))
-    if kind == "linear":
-        return RopeScaling("linear", float(raw["factor"]))
-    raise UserError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+    if kind not in ("llama3", "linear"):
+        raise UserError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+    try:
+        factor = float(raw["factor"])
+        rs = RopeScaling(kind, factor, float(raw.get("low_freq_factor", 1.0)),
+                         float(raw.get("high_freq_factor", 4.0)),
+                         int(raw.get("original_max_position_embeddings", 8192)))
+    except KeyError as e:
+        raise UserError(f"{path}: rope_scaling {kind} needs {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: bad rope_scaling value ({e})") from None
+    if not factor > 0 or (kind == "llama3" and not rs.high_freq_factor > rs.low_freq_factor > 0):
+        raise UserError(f"{path}: rope_scaling factors must be positive (and high_freq_factor > "
+                        f"low_freq_factor), got {raw}")
+    return rs
 
 
 def load_config(folder: str | Path) -> ModelConfig:
@@ -121,13 +132,23 @@ def load_config(folder: str | Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise UserError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
-    raw = _read_json(path)
+    raw = read_json_object(path)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"{path}: model_type {model_type!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?") if isinstance(
+            raw["quantization_config"], dict) else "?"
+        raise UserError(f"{path}: quantised checkpoints ({method}) are not supported; use bf16/fp16/fp32 "
+                        "safetensors, or convert a GGUF file with convert-gguf")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UserError(f"{path}: hidden_act {act!r} is not supported (Llama-family models use silu)")
     # transformers >= 5 writes "rope_parameters"; checkpoints on the Hub carry rope_theta/rope_scaling.
     rope = raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{path}: rope_parameters must be an object")
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -163,10 +184,11 @@ def load_config(folder: str | Path) -> ModelConfig:
     cfg["rope_scaling"] = _rope_scaling(raw.get("rope_scaling") or rope, path)
     cfg["torch_dtype"] = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
     gen_path = folder / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    gen = read_json_object(gen_path) if gen_path.is_file() else {}
     bos = gen.get("bos_token_id", raw.get("bos_token_id"))
     cfg["bos_token_id"] = int(bos) if isinstance(bos, int) else None
-    cfg["eos_token_ids"] = tuple(dict.fromkeys(_ids(raw.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
+    cfg["eos_token_ids"] = tuple(dict.fromkeys(_ids(raw.get("eos_token_id"), path, "eos_token_id")
+                                               + _ids(gen.get("eos_token_id"), gen_path, "eos_token_id")))
     pad = raw.get("pad_token_id")
     cfg["pad_token_id"] = int(pad) if isinstance(pad, int) else None
-    return ModelConfig(**cfg, extra=raw)
+    return ModelConfig(**cfg)

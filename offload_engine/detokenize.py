@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | None = None):
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | str | None = None):
         self._decode = decode
-        self.stop = [s for s in (stop or []) if s]
+        self.stop = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
         self.ids: list[int] = []
         self.text = ""  # all text so far (before any stop string)
         self.emitted = 0  # characters of self.text already handed out

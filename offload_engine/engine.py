@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,10 @@ def resolve_target(target: str | Path | None, progress: bool = True) -> Path:
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"device {device!r} is not a device name (use cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} asked for, but torch sees no CUDA GPU")
     if device.type not in ("cuda", "cpu"):
@@ -84,9 +88,11 @@ class Engine:
         own limit, capped at 8192 tokens. offload/vram/ram/buffers place the target's layers
         (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB".
         """
-        folder = resolve_target(target, progress)
         dev = resolve_device(device)
         dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        if max_context is not None and max_context < 2:
+            raise UserError(f"--max-context must be at least 2 tokens, got {max_context}")
+        folder = resolve_target(target, progress)
         cfg = load_config(folder)
         tokenizer = Tokenizer.from_folder(folder)
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -143,8 +149,8 @@ class Engine:
 
     def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                  messages: list[dict] | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                 on_token: OnToken | None = None) -> GenerationResult:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop: list[str] | str | None = None, on_token: OnToken | None = None) -> GenerationResult:
         """Plain decoding. on_token(token_id, text) is called for every new token with the text it
         makes safe to show (possibly ''); the result's text excludes a matched stop string."""
         try:
@@ -155,11 +161,13 @@ class Engine:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.prompt_ids(prompt, input_ids, messages)
         generator = torch.Generator(device=self.model.device)
-        generator.manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
+        if seed is not None and not 0 <= seed < 2**63:
+            raise UserError(f"seed must be in 0..2**63-1, got {seed}")
+        generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         return self._decode(ids, max_new_tokens, params, generator, stop, on_token)
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
-                generator: torch.Generator, stop: list[str] | None, on_token: OnToken | None) -> GenerationResult:
+                generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None) -> GenerationResult:
         model, device = self.model, self.model.device
         budget = min(max_new_tokens, self.max_context - len(ids))
         cache = model.new_cache(len(ids) + budget)

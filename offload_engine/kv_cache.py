@@ -27,16 +27,6 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def ensure_capacity(self, tokens: int) -> None:
-        """Grow the buffers (keeping their contents) so that `tokens` slots exist."""
-        if tokens <= self.capacity:
-            return
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[:3] + (tokens,) + old.shape[4:])
-            new[:, :, :, : self.length] = old[:, :, :, : self.length]
-            setattr(self, name, new)
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' K/V after the committed length; return K/V over all visible slots.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from .config import read_json_object
 from .errors import UserError
 
 
@@ -49,13 +49,8 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises a bare Exception
             raise UserError(f"{path}: cannot load tokenizer ({e})") from None
-        config: dict = {}
         config_path = folder / "tokenizer_config.json"
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{config_path}: not valid JSON ({e.msg})") from None
+        config = read_json_object(config_path) if config_path.is_file() else {}
         template_path = folder / "chat_template.jinja"
         if template_path.is_file() and not config.get("chat_template"):
             config["chat_template"] = template_path.read_text(encoding="utf-8")
@@ -91,8 +86,8 @@ class Tokenizer:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
-            raise UserError(f"chat template refused the messages: {e}") from None
+        except Exception as e:  # the template is the checkpoint's code: any failure is its input's fault
+            raise UserError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The template writes BOS and control tokens itself, so no special tokens are added."""

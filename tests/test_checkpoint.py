@@ -127,3 +127,83 @@ def test_exit_status_and_no_traceback_from_a_real_process(tmp_path):
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"sequoia-offload: error: checkpoint folder {tmp_path / 'missing'} does not exist"]
+
+
+def _edit_json(folder, name, edit):
+    path = folder / name
+    data = json.loads(path.read_text())
+    result = edit(data)
+    path.write_text(json.dumps(data if result is None else result))
+
+
+BAD_CONFIGS = [
+    ("hidden_act", lambda c: c.update(hidden_act="gelu"), ["gelu"]),
+    ("quantised", lambda c: c.update(quantization_config={"quant_method": "fp8"}), ["fp8"]),
+    ("rope no factor", lambda c: c.update(rope_parameters=None, rope_scaling={"rope_type": "llama3"}), ["factor"]),
+    ("rope string", lambda c: c.update(rope_parameters=None, rope_scaling="yes"), ["rope_scaling"]),
+    ("rope factor 0", lambda c: c.update(rope_parameters=None, rope_scaling={"rope_type": "linear", "factor": 0}),
+     ["positive"]),
+    ("eos strings", lambda c: c.update(eos_token_id=["</s>"]), ["eos_token_id"]),
+    ("a list", lambda c: [c], ["config.json", "JSON object"]),
+]
+
+
+@pytest.mark.parametrize("name,edit,words", BAD_CONFIGS, ids=[b[0] for b in BAD_CONFIGS])
+def test_bad_config_values(capsys, tmp_path, tiny, name, edit, words):
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    _edit_json(folder, "config.json", edit)
+    _assert_clean_error(*_generate(capsys, folder), *words)
+
+
+def test_non_utf8_config(capsys, tmp_path, tiny):
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    (folder / "config.json").write_bytes(b'{"model_type": "\xff\xfe"}')
+    _assert_clean_error(*_generate(capsys, folder), "config.json", "UTF-8")
+
+
+def test_tokenizer_config_that_is_a_list(capsys, tmp_path, tiny):
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    (folder / "tokenizer_config.json").write_text("[1, 2]")
+    _assert_clean_error(*_generate(capsys, folder), "tokenizer_config.json")
+
+
+def test_garbage_tokenizer_json(capsys, tmp_path, tiny):
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    (folder / "tokenizer.json").write_text("{not json")
+    _assert_clean_error(*_generate(capsys, folder), "tokenizer.json")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_weights_of_an_unsupported_dtype(capsys, tmp_path, tiny, dtype):
+    from safetensors.torch import load_file, save_file
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].to(dtype)
+    save_file(tensors, folder / "model.safetensors")
+    _assert_clean_error(*_generate(capsys, folder), "model.layers.1.mlp.up_proj.weight", "F32, F16 and BF16")
+
+
+BAD_FLAGS = [
+    (["--device", "foo"], ["foo"]),
+    (["--temperature", "nan"], ["temperature"]),
+    (["--top-p", "2"], ["top_p"]),
+    (["--seed", str(2**70)], ["seed"]),
+    (["--max-context", "0"], ["--max-context"]),
+    (["--max-new-tokens", "0"], ["max_new_tokens"]),
+    (["--system", "be brief"], ["--system", "--chat"]),
+    (["--dtype", "int8"], ["int8"]),
+]
+
+
+@pytest.mark.parametrize("flags,words", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
+def test_bad_flags(capsys, tiny, flags, words):
+    code, err = _run_cli(capsys, "generate", "--target", str(tiny), "--prompt", "hi", *flags)
+    _assert_clean_error(code, err, *words)
+
+
+def test_chat_template_that_fails_at_render(capsys, tmp_path, tiny):
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    _edit_json(folder, "tokenizer_config.json",
+               lambda c: c.update(chat_template="{{ messages[0]['content'] + 1 }}"))
+    code, err = _run_cli(capsys, "generate", "--target", str(folder), "--prompt", "hi", "--chat")
+    _assert_clean_error(code, err, "chat template", "TypeError")

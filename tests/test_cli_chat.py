@@ -35,7 +35,7 @@ def test_chat_keeps_history_resets_and_reports_stats(folder, monkeypatch, capsys
     assert calls[1][:4] == calls[0] + [{"role": "user", "content": "second question"}]
     assert calls[2][:2] == [system, {"role": "user", "content": "third question"}]  # after /reset
     for turn in calls:
-        assert turn[-1]["content"] in out  # each answer was printed (streamed) in full
+        assert turn[-1]["content"].strip() and turn[-1]["content"] in out  # each answer was printed (streamed) in full
     stats_json = out[out.index("{"): out.index("}") + 1]
     assert json.loads(stats_json)["new_tokens"] >= 1
     assert "(history cleared)" in out

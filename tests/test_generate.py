@@ -99,11 +99,13 @@ def test_bad_sampling_arguments_are_refused(engine, bad):
         engine.generate(**kwargs)
 
 
-def _reference_first_token_probs(folder, ids, temperature, top_p):
+def _reference_first_token_probs(folder, ids, temperature, top_p, top_k=0):
     """Exact next-token distribution from transformers' logits, truncated by hand in numpy."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         logits = ref(torch.tensor([ids])).logits[0, -1].double().numpy()
+    if top_k:
+        logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
     p = np.exp((logits - logits.max()) / temperature)
     p /= p.sum()
     order = np.argsort(-p)
@@ -141,3 +143,17 @@ def test_sampled_first_token_has_the_models_distribution(folder, engine):
     wrong = _reference_first_token_probs(folder, ids, 1.0, 1.0)
     assert wrong[exact == 0].sum() > 0.01  # top-p really cut something here
     assert _chi_square_pvalue(samples, wrong) < 1e-3
+
+
+def test_sampled_first_token_with_top_k(folder, engine):
+    """3000 draws at T=1.0, top-k 5: chi-square p-value above 1e-3 against the exact top-5
+    distribution, and below 1e-3 against top-k 6 (the sixth token must never appear)."""
+    ids = engine.tokenizer.encode(PROMPT)
+    samples = np.array([engine.generate(input_ids=ids, max_new_tokens=1, temperature=1.0, top_k=5,
+                                        seed=10_000 + s).token_ids[0] for s in range(3000)])
+    exact = _reference_first_token_probs(folder, ids, 1.0, 1.0, top_k=5)
+    assert (exact > 0).sum() == 5
+    assert _chi_square_pvalue(samples, exact) > 1e-3
+    wider = _reference_first_token_probs(folder, ids, 1.0, 1.0, top_k=6)
+    assert wider[exact == 0].sum() > 0.01
+    assert _chi_square_pvalue(samples, wider) < 1e-3
