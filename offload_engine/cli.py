@@ -24,6 +24,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                                  "(default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--max-context", type=int, default=None, help="longest sequence in tokens (default: "
                                                                 "the model's limit, at most 8192)")
+    o = p.add_argument_group("placement (where the target's layers live)")
+    o.add_argument("--offload", default="auto", choices=("auto", "none", "ram", "disk"),
+                   help="auto: follow the plan from the budgets; none: every layer resident on the device; "
+                        "ram: every layer streamed from (pinned) RAM; disk: every layer streamed from disk "
+                        "with O_DIRECT on every pass")
+    o.add_argument("--vram", default=None, help="device memory budget, e.g. 20GiB (default: free memory minus "
+                                                "1 GiB; on the CPU, free RAM minus 4 GiB)")
+    o.add_argument("--ram", default=None, help="RAM budget for streamed layers, e.g. 64GiB (default: free RAM "
+                                               "minus 4 GiB on a GPU machine; 0 on the CPU)")
+    o.add_argument("--buffers", type=int, default=2, help="device layer buffers for streaming (default 2)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out_dir", type=Path)
     conv.add_argument("--dtype", default="float32", help="dtype of the written weights (default float32)")
     sub.add_parser("default-model", help="print the embedded default model's folder (converting it first if needed)")
+    plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
+    _model_args(plan)
+    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    stream = bench_sub.add_parser("stream", help="disk-streamed pass time vs raw read time, and vs HF Accelerate")
+    from benchmarks import stream_bench
+    stream_bench.add_args(stream)
     return parser
 
 
@@ -71,6 +88,7 @@ def _sampling(args: argparse.Namespace) -> dict:
 def _load(args: argparse.Namespace, quiet: bool = False):
     from .engine import Engine
     return Engine.load(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
+                       offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers,
                        progress=not quiet)
 
 
@@ -80,9 +98,13 @@ def _printer(token_id: int, text: str) -> None:
 
 
 def _stats_line(stats: dict) -> str:
-    return (f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s; "
+    line = (f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s; "
             f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_seconds']:.2f} s; "
-            f"finish: {stats['finish_reason']}]")
+            f"{stats['target_passes']} target passes")
+    if stats["bytes_streamed"]:
+        line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
+                 f"stalled {stats['stall_seconds']:.2f} s")
+    return line + f"; finish: {stats['finish_reason']}]"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -163,6 +185,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .engine import plan_only
+    plan, folder, device, dtype = plan_only(args.target, device=args.device, dtype=args.dtype,
+                                            max_context=args.max_context, offload=args.offload, vram=args.vram,
+                                            ram=args.ram, buffers=args.buffers)
+    print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}\n")
+    print(plan.table())
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks import stream_bench
+    return stream_bench.run(args)
+
+
 def cmd_default_model(args: argparse.Namespace) -> int:
     from .default_model import default_model_dir
     print(default_model_dir(progress=True))
@@ -170,7 +207,7 @@ def cmd_default_model(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "convert-gguf": cmd_convert,
-            "default-model": cmd_default_model}
+            "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

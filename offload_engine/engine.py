@@ -58,6 +58,42 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+@dataclass(frozen=True)
+class _Setup:
+    folder: Path
+    cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    opts: OffloadOptions
+    plan: PlacementPlan
+
+
+def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens,
+           progress) -> _Setup:
+    """Everything Engine.load decides before loading a byte: checked flags, config and the plan."""
+    dev = resolve_device(device)
+    dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if max_context is not None and max_context < 2:
+        raise UserError(f"--max-context must be at least 2 tokens, got {max_context}")
+    if max_batch_tokens < 1:
+        raise UserError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    folder = resolve_target(target, progress)
+    cfg = load_config(folder)
+    limit = max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
+    if limit > cfg.max_context:
+        raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
+    opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens)
+    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit))
+
+
+def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
+              ram=None, buffers=2, max_batch_tokens=1024) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
+    """The placement Engine.load would use, without loading anything (`sequoia-offload plan`)."""
+    s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True)
+    return s.plan, s.folder, s.device, s.dtype
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, folder: Path, max_context: int,
                  plan: PlacementPlan, max_batch_tokens: int):
@@ -88,30 +124,18 @@ class Engine:
         own limit, capped at 8192 tokens. offload/vram/ram/buffers place the target's layers
         (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB".
         """
-        dev = resolve_device(device)
-        dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        if max_context is not None and max_context < 2:
-            raise UserError(f"--max-context must be at least 2 tokens, got {max_context}")
-        folder = resolve_target(target, progress)
-        cfg = load_config(folder)
-        tokenizer = Tokenizer.from_folder(folder)
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise UserError(f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                            f"vocab_size is {cfg.vocab_size}")
-        limit = max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
-        if limit > cfg.max_context:
-            raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
-        if max_batch_tokens < 1:
-            raise UserError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
-        opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens)
-        ckpt = Checkpoint(folder, cfg)
+        s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, progress)
+        tokenizer = Tokenizer.from_folder(s.folder)
+        if tokenizer.vocab_size > s.cfg.vocab_size:
+            raise UserError(f"{s.folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                            f"vocab_size is {s.cfg.vocab_size}")
+        ckpt = Checkpoint(s.folder, s.cfg)
         try:
             ckpt.check()  # every tensor present with the right shape, before any allocation
-            plan = make_placement(cfg, dt, dev, opts, limit)
-            model = load_target(ckpt, dt, dev, plan, opts, progress)
+            model = load_target(ckpt, s.dtype, s.device, s.plan, s.opts, progress)
         finally:
             ckpt.close()
-        return cls(model, tokenizer, folder, limit, plan, max_batch_tokens)
+        return cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens)
 
     def close(self) -> None:
         """Stop the layer loader and release the disk reader (also done at exit)."""

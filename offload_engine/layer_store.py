@@ -87,8 +87,14 @@ class LayerLayout:
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 CPU tensor (an anonymous mmap: what O_DIRECT reads need)."""
+    """A page-aligned uint8 CPU tensor (an anonymous mmap: what O_DIRECT reads need).
+
+    Transparent huge pages are turned off for it: measured on this project's machines, O_DIRECT
+    reads into THP-backed buffers ran at half the speed of reads into 4 KiB pages.
+    """
     mm = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "non-writable buffer" is not the case for an mmap
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)  # keeps `mm` alive

@@ -34,6 +34,8 @@ def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, o
     default_vram, default_ram = (None, None)
     if opts.vram is None or opts.ram is None:
         default_vram, default_ram = default_budgets(device)
+        if device.type != "cuda" and opts.offload == "ram":
+            default_ram = default_vram  # on the CPU the RAM tier is asked for explicitly: free RAM
     return make_plan(cfg, dtype, offload=opts.offload,
                      vram_bytes=parse_size(opts.vram) if opts.vram is not None else default_vram,
                      ram_bytes=parse_size(opts.ram) if opts.ram is not None else default_ram,

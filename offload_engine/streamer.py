@@ -18,6 +18,7 @@ the buffer, so its free event is recorded) and `ready` (the loader has issued or
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from .model import LayerWeights
 from .placement import PlacementPlan
 
 _POLL_S = 0.2  # how often a blocked thread checks whether the executor was closed
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
