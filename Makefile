@@ -14,7 +14,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not cuda"
 
 clean-venv:
 	rm -rf $(VENV)

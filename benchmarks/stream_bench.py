@@ -37,6 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", type=int, default=128, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=5, help="measurements per width (medians reported)")
     p.add_argument("--buffers", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--offload", default="disk", choices=("disk", "ram"),
+                   help="tier every target layer streams from (default disk)")
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens decoded by each system in (d)")
     p.add_argument("--no-peer", action="store_true", help="skip the HF Accelerate comparison")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
@@ -50,7 +53,31 @@ def raw_read_seconds(store, reader, buf) -> float:
     return time.perf_counter() - t0
 
 
-def measure_width(engine, store, buf, width: int, prefix: int, repeats: int) -> dict:
+def raw_mover(engine, store):
+    """A callable timing the floor of one pass's data movement for the engine's tier: O_DIRECT
+    reads of every block (disk), or copies of every RAM-tier block into one device buffer (ram)."""
+    import torch
+    from offload_engine.layer_store import aligned_buffer
+    plan, executor = engine.plan, engine.model.layers
+    if plan.disk_layers:
+        # one long-lived buffer, like the executor's own: O_DIRECT into a freshly mapped buffer
+        # sometimes ran at half speed for its whole life on this project's machines
+        buf, reader = aligned_buffer(store.layout.block_bytes), store.reader(direct=True)
+        return lambda: raw_read_seconds(store, reader, buf)
+    dest = torch.empty(store.layout.block_bytes, dtype=torch.uint8, device=engine.model.device)
+    blocks = [executor.ram_blocks[i] for i in plan.ram_layers]
+
+    def copy_all() -> float:
+        t0 = time.perf_counter()
+        for b in blocks:
+            dest.copy_(b, non_blocking=True)
+        if dest.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - t0
+    return copy_all
+
+
+def measure_width(engine, raw, width: int, prefix: int, repeats: int) -> dict:
     """Raw read time and pass time, interleaved (raw, pass, raw, pass, ...) so that the disk's
     speed drifting over the run affects both alike; medians of `repeats` each."""
     import torch
@@ -59,25 +86,25 @@ def measure_width(engine, store, buf, width: int, prefix: int, repeats: int) -> 
     g = torch.Generator().manual_seed(width)
     vocab = engine.config.vocab_size
     cache = model.new_cache(prefix + width)
-    model.forward(torch.randint(0, vocab, (prefix,), generator=g), torch.arange(prefix), cache,
+    dev = model.device
+    model.forward(torch.randint(0, vocab, (prefix,), generator=g).to(dev), torch.arange(prefix, device=dev), cache,
                   logits_rows=slice(prefix - 1, prefix))
     cache.advance(prefix)
-    ids = torch.randint(0, vocab, (width,), generator=g)
-    pos, mask = torch.arange(prefix, prefix + width), causal_mask(prefix, width)
-    reader = store.reader(direct=True)
-    raws, nulls, passes = [raw_read_seconds(store, reader, buf)], [], []
-    try:
-        for _ in range(repeats):  # raw, null, pass, raw, null, pass, ..., raw
-            t0 = time.perf_counter()
-            for _w in model.layers:  # the executor streaming every layer with no compute
-                pass
-            nulls.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            model.forward(ids, pos, cache, mask=mask)
-            passes.append(time.perf_counter() - t0)
-            raws.append(raw_read_seconds(store, reader, buf))
-    finally:
-        reader.close()
+    ids = torch.randint(0, vocab, (width,), generator=g).to(dev)
+    pos, mask = torch.arange(prefix, prefix + width, device=dev), causal_mask(prefix, width, dev)
+    sync = torch.cuda.current_stream().synchronize if model.device.type == "cuda" else (lambda: None)
+    raws, nulls, passes = [raw()], [], []
+    for _ in range(repeats):  # raw, null, pass, raw, null, pass, ..., raw
+        t0 = time.perf_counter()
+        for _w in model.layers:  # the executor streaming every layer with no compute
+            pass
+        sync()
+        nulls.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        model.forward(ids, pos, cache, mask=mask)
+        sync()
+        passes.append(time.perf_counter() - t0)
+        raws.append(raw())
     # each pass against the mean of the raw reads just before and just after it
     ratio = statistics.median((raws[i] + raws[i + 1]) / 2 / p for i, p in enumerate(passes))
     return {"width": width, "raw_read_seconds": statistics.median(raws), "null_pass_seconds": statistics.median(nulls),
@@ -92,24 +119,29 @@ def ours_per_token(engine, prompt_ids: list[int], tokens: int) -> tuple[float, l
     return per_token, result.token_ids
 
 
-def accelerate_per_token(folder: Path, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
-    """transformers + accelerate.disk_offload, page cache of its offload files evicted every forward."""
+def accelerate_per_token(folder: Path, prompt_ids: list[int], tokens: int, tier: str, device,
+                         dtype) -> tuple[float, list[int]]:
+    """transformers + accelerate: disk_offload with its offload files evicted from the page cache
+    before every forward (tier "disk"), or cpu_offload from RAM (tier "ram")."""
     import torch
     import transformers
-    from accelerate import disk_offload
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from accelerate import cpu_offload, disk_offload
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     with tempfile.TemporaryDirectory(prefix="accelerate-offload-", dir=os.environ.get("BENCH_TMP")) as off:
-        disk_offload(model, off, execution_device=torch.device("cpu"))
-        files = [os.path.join(off, f) for f in os.listdir(off) if f.endswith(".dat")]
+        if tier == "disk":
+            disk_offload(model, off, execution_device=device)
+            files = [os.path.join(off, f) for f in os.listdir(off) if f.endswith(".dat")]
 
-        def evict(*_):
-            for f in files:
-                fd = os.open(f, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            def evict(*_):
+                for f in files:
+                    fd = os.open(f, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
 
-        model.register_forward_pre_hook(evict)
-        ids = torch.tensor([prompt_ids])
+            model.register_forward_pre_hook(evict)
+        else:
+            cpu_offload(model, execution_device=device)
+        ids = torch.tensor([prompt_ids], device=device)
         with torch.no_grad():
             t0 = time.perf_counter()
             out = model(ids, use_cache=True)
@@ -117,7 +149,7 @@ def accelerate_per_token(folder: Path, prompt_ids: list[int], tokens: int) -> tu
             past, tok, new = out.past_key_values, int(out.logits[0, -1].argmax()), []
             for _ in range(tokens):
                 new.append(tok)
-                out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                out = model(torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
                 past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
             total = time.perf_counter() - t0
     return (total - prefill) / tokens, new
@@ -128,18 +160,16 @@ def run(args: argparse.Namespace) -> int:
     from offload_engine import Engine
     from offload_engine.checkpoint import Checkpoint
     from offload_engine.default_model import cache_root
-    from offload_engine.layer_store import aligned_buffer, open_or_build
+    from offload_engine.layer_store import open_or_build
 
     torch.manual_seed(0)
-    engine = Engine.load(args.target, device="cpu", offload="disk", buffers=args.buffers,
+    engine = Engine.load(args.target, device=args.device, offload=args.offload, buffers=args.buffers,
                          max_context=args.prefix + max(int(w) for w in args.widths.split(",")) + 8)
     plan = engine.plan
-    ckpt = Checkpoint(engine.folder, engine.config)
-    store = open_or_build(ckpt, engine.model.dtype, cache_root() / "stores", progress=False)
-    # One long-lived buffer for every raw read, like the executor's own buffers: measured here,
-    # O_DIRECT into a freshly mapped buffer sometimes ran at half speed for its whole life.
-    buf = aligned_buffer(store.layout.block_bytes)
-    rows = [measure_width(engine, store, buf, int(w), args.prefix, args.repeats) for w in args.widths.split(",")]
+    store = open_or_build(Checkpoint(engine.folder, engine.config), engine.model.dtype, cache_root() / "stores",
+                          progress=False)
+    raw = raw_mover(engine, store)
+    rows = [measure_width(engine, raw, int(w), args.prefix, args.repeats) for w in args.widths.split(",")]
     raw = statistics.median(r["raw_read_seconds"] for r in rows)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the city of Paris."}])
     ours_tok, ours_ids = ours_per_token(engine, prompt, args.tokens)
@@ -147,11 +177,13 @@ def run(args: argparse.Namespace) -> int:
     engine.close()
     peer = None
     if not args.no_peer:
-        peer_tok, peer_ids = accelerate_per_token(engine.folder, prompt, min(args.tokens, 8))
+        peer_tok, peer_ids = accelerate_per_token(engine.folder, prompt, min(args.tokens, 8), args.offload,
+                                                  engine.model.device, engine.model.dtype)
         peer = {"seconds_per_token": peer_tok, "same_tokens": peer_ids == ours_ids[: len(peer_ids)]}
     result = {"target": str(engine.folder), "layers_streamed": len(plan.streamed_layers),
               "bytes_per_pass": plan.bytes_per_pass, "raw_read_seconds": raw,
-              "raw_read_gbps": plan.bytes_per_pass / raw / 1e9, "direct_io": True, "buffers": args.buffers,
+              "raw_read_gbps": plan.bytes_per_pass / raw / 1e9, "tier": args.offload, "device": str(engine.model.device),
+              "buffers": args.buffers,
               "prefix": args.prefix, "passes": rows, "ours_seconds_per_token": ours_tok,
               "ours_stall_seconds_total": stats.stall_seconds, "accelerate": peer,
               "machine": _machine()}
@@ -172,19 +204,21 @@ def _machine() -> dict:
 
 
 def _markdown(r: dict) -> str:
-    lines = [f"target: {r['target']}", f"{r['layers_streamed']} layers streamed from disk (O_DIRECT) per pass, "
-             f"{r['bytes_per_pass'] / 1e6:.0f} MB; raw read (median) {r['raw_read_seconds']:.3f} s "
+    lines = [f"target: {r['target']} on {r['device']}", f"{r['layers_streamed']} layers streamed from {r['tier']} per pass, "
+             f"{r['bytes_per_pass'] / 1e6:.0f} MB; raw read/copy (median) {r['raw_read_seconds']:.3f} s "
              f"({r['raw_read_gbps']:.2f} GB/s); {r['buffers']} buffers; prefix {r['prefix']} tokens", "",
              "| width | raw read (s) | null pass (s) | pass (s) | efficiency = raw read / pass | null pass / pass |",
              "|---:|---:|---:|---:|---:|---:|"]
     for row in r["passes"]:
         lines.append(f"| {row['width']} | {row['raw_read_seconds']:.3f} | {row['null_pass_seconds']:.3f} | "
                      f"{row['pass_seconds']:.3f} | {row['efficiency']:.3f} | {row['efficiency_vs_null_pass']:.3f} |")
-    lines += ["", "| decoding, every layer read cold from disk each pass | s/token | vs ours |", "|---|---:|---:|",
-              f"| sequoia-offload plain streamed (O_DIRECT) | {r['ours_seconds_per_token']:.3f} | 1.00x |"]
+    cold = "read cold from disk (O_DIRECT; page cache evicted for Accelerate)" if r["tier"] == "disk" else "from RAM"
+    lines += ["", f"| decoding, every layer {cold} each pass | s/token | vs ours |", "|---|---:|---:|",
+              f"| sequoia-offload plain streamed | {r['ours_seconds_per_token']:.3f} | 1.00x |"]
     if r["accelerate"]:
         a = r["accelerate"]
-        lines.append(f"| transformers + accelerate.disk_offload (page cache evicted) | "
+        peer = "disk_offload" if r["tier"] == "disk" else "cpu_offload"
+        lines.append(f"| transformers + accelerate.{peer} | "
                      f"{a['seconds_per_token']:.3f} | {a['seconds_per_token'] / r['ours_seconds_per_token']:.2f}x "
                      f"slower |")
         lines.append(f"\nsame greedy tokens as ours: {a['same_tokens']}")

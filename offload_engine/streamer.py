@@ -189,6 +189,8 @@ class LayerExecutor:
     def _loader(self) -> None:
         n = 0
         try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0
             while not self._stop.is_set():
                 layer = self.order[n % len(self.order)]
                 b = n % len(self.buffers)

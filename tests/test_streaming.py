@@ -43,20 +43,23 @@ def random_tree_mask(prefix: int, n: int, seed: int):
     return mask, torch.tensor(depth) + prefix
 
 
-def run_script(model, vocab):
-    """Prefill, single-token decode, a 64-node tree batch with a custom mask; two rounds (wrap-around)."""
+def run_script(model, vocab, device=torch.device("cpu")):
+    """Prefill, single-token decode, a 64-node tree batch with a custom mask, a commit of two tree
+    slots, then a causal chunk after them."""
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(128)
     outs = []
-    ids = torch.randint(0, vocab, (20,), generator=g)
-    outs.append(model.forward(ids, torch.arange(20), cache))
+    ids = torch.randint(0, vocab, (20,), generator=g).to(device)
+    outs.append(model.forward(ids, torch.arange(20, device=device), cache))
     cache.advance(20)
-    outs.append(model.forward(ids[:1], torch.tensor([20]), cache))
+    outs.append(model.forward(ids[:1], torch.tensor([20], device=device), cache))
     cache.advance(1)
     mask, pos = random_tree_mask(21, BATCH, seed=1)
-    outs.append(model.forward(torch.randint(0, vocab, (BATCH,), generator=g), pos, cache, mask=mask))
+    tree = torch.randint(0, vocab, (BATCH,), generator=g).to(device)
+    outs.append(model.forward(tree, pos.to(device), cache, mask=mask.to(device)))
     cache.commit([21, 21 + 5])  # keep two of the tree's slots
-    outs.append(model.forward(ids[2:5], torch.arange(23, 26), cache, mask=causal_mask(23, 3)))
+    outs.append(model.forward(ids[2:5], torch.arange(23, 26, device=device), cache,
+                              mask=causal_mask(23, 3, device)))
     return outs
 
 

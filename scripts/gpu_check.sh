@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One command for a Linux machine with an NVIDIA GPU and nothing installed: set up, run the tests
+# marked `cuda`, measure pinned vs pageable host-to-device bandwidth, run the stream benchmark with
+# every layer streamed from pinned RAM, and print one summary. Meant to finish within 8 minutes.
+# Results also go to $OUT (default: ./gpu_check_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_check_out}"
+mkdir -p "$OUT"
+start=$(date +%s)
+step() { echo; echo "== $1 ($(( $(date +%s) - start )) s)"; }
+
+step "setup"
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L; then
+    echo "gpu_check: no NVIDIA GPU visible (nvidia-smi)"; exit 2
+fi
+bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 2; }
+PY=.venv/bin/python
+$PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'; print(torch.__version__, torch.cuda.get_device_name())" \
+    | tee "$OUT/torch.txt" || exit 2
+
+step "cuda tests"
+$PY -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/pytest_cuda.txt"
+tests_rc=${PIPESTATUS[0]}
+
+step "host-to-device bandwidth"
+$PY benchmarks/h2d_bandwidth.py --mib 1024 --json "$OUT/h2d.json" 2>&1 | tee "$OUT/h2d.txt"
+
+step "stream benchmark (RAM tier, cuda)"
+timeout 300 $PY benchmarks/stream_bench.py --device cuda --offload ram --widths 1,16,64,128,256 --repeats 5 \
+    --json "$OUT/stream_ram_cuda.json" 2>&1 | tee "$OUT/stream_ram_cuda.txt"
+bench_rc=${PIPESTATUS[0]}
+
+step "summary"
+{
+    echo "torch/GPU: $(cat "$OUT/torch.txt")"
+    echo "cuda tests: $(tail -1 "$OUT/pytest_cuda.txt") (exit $tests_rc)"
+    echo "bandwidth: $(tail -1 "$OUT/h2d.txt")"
+    echo "stream benchmark exit $bench_rc:"
+    grep '^|' "$OUT/stream_ram_cuda.txt" || true
+    echo "total: $(( $(date +%s) - start )) s"
+} | tee "$OUT/summary.txt"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

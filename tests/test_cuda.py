@@ -1,0 +1,73 @@
+"""CUDA paths of the executor (run with `pytest -m cuda` on a machine with an NVIDIA GPU;
+`make test` deselects them). Without a GPU these fail loudly rather than skip."""
+
+import pytest
+import torch
+
+from offload_engine.checkpoint import Checkpoint
+from offload_engine.config import load_config
+from offload_engine.loader import OffloadOptions, load_target
+from offload_engine.model import Transformer
+from test_streaming import BATCH, LAYERS, plan_for, run_script
+from tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.cuda
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    assert torch.cuda.is_available(), "the cuda tests need an NVIDIA GPU"
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("cuda") / "m", "llama3-gqa", layers=LAYERS,
+                                  init_std=0.1)
+    return Checkpoint(folder, load_config(folder))
+
+
+def _on_cuda(outs):
+    return [o.cpu() for o in outs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offload,buffers,resident,ram_layers", [
+    ("ram", 1, 0, 4), ("ram", 2, 0, 4), ("ram", 3, 0, 4), ("disk", 2, 0, 0), ("disk", 3, 0, 0), ("auto", 2, 1, 2)])
+def test_streamed_equals_resident_on_cuda(ckpt, tmp_path, dtype, offload, buffers, resident, ram_layers):
+    reference = Transformer.from_checkpoint(ckpt, dtype, CUDA)
+    plan = plan_for(ckpt, offload, buffers, resident, ram_layers)
+    model = load_target(ckpt, dtype, CUDA, plan, OffloadOptions(offload, buffers=buffers, store_root=tmp_path),
+                        progress=False)
+    ex = model.layers
+    try:
+        for block in ex.ram_blocks.values():
+            assert block.is_pinned()
+        for block in getattr(ex, "staging", []):  # O_DIRECT targets: page-aligned and registered
+            assert block.data_ptr() % 4096 == 0 and block.is_pinned()
+        if plan.streamed_layers:
+            assert ex.copy_stream != torch.cuda.current_stream()
+        expected = _on_cuda(run_script(reference, ckpt.config.vocab_size, device=CUDA))
+        got = _on_cuda(run_script(model, ckpt.config.vocab_size, device=CUDA))
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+        stats = ex.snapshot()
+        assert stats.bytes_streamed == len(expected) * plan.bytes_per_pass
+    finally:
+        ex.close()
+
+
+def test_no_device_wide_synchronize_inside_a_pass(ckpt, tmp_path, monkeypatch):
+    plan = plan_for(ckpt, "ram", 2, 0, 4)
+    model = load_target(ckpt, torch.bfloat16, CUDA, plan, OffloadOptions("ram", store_root=tmp_path), progress=False)
+    calls = []
+    real_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append("device"), real_sync(*a, **k)))
+    real_stream_sync = torch.cuda.Stream.synchronize
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize",
+                        lambda self: (calls.append("stream"), real_stream_sync(self)))
+    try:
+        ids = torch.arange(BATCH, device=CUDA) % ckpt.config.vocab_size
+        cache = model.new_cache(2 * BATCH)
+        for _ in range(3):
+            model.forward(ids, torch.arange(BATCH, device=CUDA), cache)
+        assert calls == []
+        real_sync()
+    finally:
+        model.layers.close()
