@@ -106,6 +106,10 @@ class LayerExecutor:
             self.staged_events = [torch.cuda.Event() for _ in self.staging]
         self._thread = None
         if self.order:
+            # The loader needs the GIL back soon after each read returns; with Python's default
+            # 5 ms switch interval the disk sat idle while the compute thread ran Python code
+            # (measured on 2 cores: 0.5 ms made disk-streamed passes of 64-128 tokens faster).
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._loader, name="layer-loader", daemon=True)
             self._thread.start()
 

@@ -1,7 +1,6 @@
 """The placement planner: exact byte arithmetic, tiers, boundaries and refusals."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
