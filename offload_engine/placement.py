@@ -79,7 +79,7 @@ class PlacementPlan:
 
     def table(self) -> str:
         rows = [("device (resident)", len(self.resident_layers), self.vram_bytes, self.vram_budget_bytes),
-                ("pinned RAM", len(self.ram_layers), self.ram_bytes, self.ram_budget_bytes),
+                ("RAM (pinned with CUDA)", len(self.ram_layers), self.ram_bytes, self.ram_budget_bytes),
                 ("disk (O_DIRECT)", len(self.disk_layers), self.disk_bytes, None)]
         lines = ["| tier | layers | bytes | budget |", "|---|---:|---:|---:|"]
         for name, n, b, budget in rows:
