@@ -679,3 +679,22 @@ def test_default_model_dir_uses_finished_concurrent_conversion(tmp_path, monkeyp
     assert [p for p in first.parent.iterdir() if ".tmp-" in p.name] == []
     monkeypatch.setattr(gguf_import, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
     assert default_model.default_model_dir(progress=False) == first
+
+
+def test_cli_convert_then_our_engine_gives_the_original_logits(tmp_path, gpt2_meta, capsys):
+    """The whole path a user takes: `convert-gguf` on the command line, then our own loader and
+    forward pass on the result, against the original (unconverted) model's logits."""
+    from offload_engine import Engine
+    from offload_engine.cli import main
+    model = tiny_llama(len(gpt2_meta["tokens"]))
+    src = write_gguf(tmp_path / "m.gguf", model, gpt2_meta)
+    capsys.readouterr()
+    assert main(["convert-gguf", str(src), str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "hf")
+    engine = Engine.load(tmp_path / "hf", progress=False)
+    ids = IDS[0]
+    with torch.no_grad():
+        expected = model(IDS).logits[0]
+    got = engine.model.forward(ids, torch.arange(len(ids)), engine.model.new_cache(len(ids)))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    engine.close()
