@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,8 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, folder: Path, max_context: int,
                  plan: PlacementPlan, max_batch_tokens: int):
         self.model = model
+        # stops the loader thread when the engine is closed, collected, or at interpreter exit
+        self._finalizer = weakref.finalize(self, model.layers.close)
         self.plan = plan
         self.max_batch_tokens = max_batch_tokens
         self.tokenizer = tokenizer
@@ -138,8 +141,9 @@ class Engine:
         return cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens)
 
     def close(self) -> None:
-        """Stop the layer loader and release the disk reader (also done at exit)."""
-        self.model.layers.close()
+        """Stop the layer loader and release the disk reader (also done when the engine is
+        garbage-collected and at interpreter exit)."""
+        self._finalizer()
 
     def __enter__(self) -> "Engine":
         return self

@@ -14,7 +14,7 @@ from .default_model import cache_root
 from .layer_store import LayerLayout, aligned_buffer, open_or_build
 from .model import Transformer
 from .placement import PlacementPlan, default_budgets, make_plan, parse_size
-from .streamer import LayerExecutor
+from .streamer import LayerExecutor, pinned_block
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,8 @@ def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, o
                      draft_bytes=draft_bytes)
 
 
-def _host_block(nbytes: int, pinned: bool) -> torch.Tensor:
-    if pinned:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return aligned_buffer(nbytes)
+def _host_block(nbytes: int, device: torch.device) -> torch.Tensor:
+    return pinned_block(nbytes, device) if device.type == "cuda" else aligned_buffer(nbytes)
 
 
 def load_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, plan: PlacementPlan,
@@ -66,7 +64,7 @@ def load_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, plan
     if plan.streamed_layers:
         store = open_or_build(ckpt, dtype, opts.store_root or cache_root() / "stores", progress)
         for i in plan.ram_layers:
-            ram_blocks[i] = store.load_block(i, _host_block(layout.block_bytes, device.type == "cuda"))
+            ram_blocks[i] = store.load_block(i, _host_block(layout.block_bytes, device))
         if plan.disk_layers:
             reader = store.reader(direct=opts.direct_io)
     executor = LayerExecutor(plan, layout, device, resident, ram_blocks, reader)

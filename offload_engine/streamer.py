@@ -32,6 +32,7 @@ from .placement import PlacementPlan
 
 _POLL_S = 0.2  # how often a blocked thread checks whether the executor was closed
 SWITCH_INTERVAL_S = 0.0005
+_CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 @dataclass
@@ -86,6 +87,10 @@ class LayerExecutor:
         self.resident, self.ram_blocks, self.reader = resident, ram_blocks, reader
         self.order = plan.streamed_layers
         self.cuda = device.type == "cuda"
+        if self.cuda:  # the loader thread must select the same device, and needs its index
+            self.device = device = torch.device("cuda", device.index if device.index is not None
+                                                else torch.cuda.current_device())
+        self._in_pass = False
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
@@ -102,7 +107,7 @@ class LayerExecutor:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready_events = [torch.cuda.Event() for _ in range(k)]
             self.free_events = [torch.cuda.Event() for _ in range(k)]
-            self.staging = [_pinned_aligned(layout.block_bytes) for _ in range(2)] if plan.disk_layers else []
+            self.staging = [pinned_block(layout.block_bytes, device) for _ in range(2)] if plan.disk_layers else []
             self.staged_events = [torch.cuda.Event() for _ in self.staging]
         self._thread = None
         if self.order:
@@ -122,6 +127,9 @@ class LayerExecutor:
 
     def __iter__(self) -> Iterator[LayerWeights]:
         """One pass over all layers. Abandoning it midway drains the rest, keeping the loader in step."""
+        if self._in_pass:
+            raise RuntimeError("a pass is already running on this executor (passes cannot overlap)")
+        self._in_pass = True
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         pass_start = self.clock.mark(stream)
         last_end, done, held = pass_start, 0, None
@@ -146,11 +154,14 @@ class LayerExecutor:
                     held = None
                 done = i + 1
         finally:
-            if held is not None:  # abandoned while holding a buffer
-                self._release(held, stream)
-                done += 1
-            if done < self.plan.num_layers:
-                self._drain(done)
+            try:
+                if held is not None:  # abandoned while holding a buffer
+                    self._release(held, stream)
+                    done += 1
+                if done < self.plan.num_layers:
+                    self._drain(done)
+            finally:
+                self._in_pass = False
         self._pending.append(("pass_seconds", pass_start, last_end))
         with self._lock:
             self.stats.target_passes += 1
@@ -194,7 +205,7 @@ class LayerExecutor:
         n = 0
         try:
             if self.cuda:
-                torch.cuda.set_device(self.device)  # a new thread starts on device 0
+                torch.cuda.set_device(self.device.index)  # a new thread starts on device 0
             while not self._stop.is_set():
                 layer = self.order[n % len(self.order)]
                 b = n % len(self.buffers)
@@ -246,18 +257,33 @@ class LayerExecutor:
             self.stats.copy_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
+        """Stop the loader, let in-flight copies land, release the reader and unpin host memory."""
         self._stop.set()
+        joined = True
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=30)
+            joined = not self._thread.is_alive()
             self._thread = None
-        if self.reader is not None:
+        if self.cuda and self.order:
+            self.copy_stream.synchronize()  # prefetch copies may still read staging / RAM blocks
+            for block in list(self.ram_blocks.values()) + self.staging:
+                unpin_block(block)
+            self.ram_blocks, self.staging = {}, []
+        if self.reader is not None and joined:  # never close the fd under an in-flight read
             self.reader.close()
 
 
-def _pinned_aligned(nbytes: int) -> torch.Tensor:
-    """Page-aligned pinned host memory (O_DIRECT needs the alignment, async copies the pinning)."""
+def pinned_block(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Exact-size, page-aligned, pinned host memory: an anonymous mmap registered with CUDA as
+    portable (every context sees it pinned). O_DIRECT needs the alignment, async copies the
+    pinning; torch's own pinned allocator would round the size up to a power of two."""
     block = aligned_buffer(nbytes)
-    rc = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)
+    with torch.cuda.device(device):
+        rc = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE)
     if int(rc) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with error {int(rc)}")
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
     return block
+
+
+def unpin_block(block: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(block.data_ptr())

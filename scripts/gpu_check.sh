@@ -2,7 +2,8 @@
 # One command for a Linux machine with an NVIDIA GPU and nothing installed: set up, run the tests
 # marked `cuda`, measure pinned vs pageable host-to-device bandwidth, run the stream benchmark with
 # every layer streamed from pinned RAM, and print one summary. Meant to finish within 8 minutes.
-# Results also go to $OUT (default: ./gpu_check_out).
+# Results also go to $OUT (default: ./gpu_check_out). Needs python3-venv and network access to PyPI
+# for the CUDA build of torch (about 2.5 GB) on the first run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
@@ -14,20 +15,21 @@ step "setup"
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L; then
     echo "gpu_check: no NVIDIA GPU visible (nvidia-smi)"; exit 2
 fi
-bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 2; }
-PY=.venv/bin/python
+# A venv of its own: a .venv copied from a CPU machine would hold a CPU build of torch.
+timeout 420 bash scripts/setup_env.sh .venv-gpu > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 2; }
+PY=.venv-gpu/bin/python
 $PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'; print(torch.__version__, torch.cuda.get_device_name())" \
     | tee "$OUT/torch.txt" || exit 2
 
 step "cuda tests"
-$PY -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/pytest_cuda.txt"
+timeout 180 $PY -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/pytest_cuda.txt"
 tests_rc=${PIPESTATUS[0]}
 
 step "host-to-device bandwidth"
-$PY benchmarks/h2d_bandwidth.py --mib 1024 --json "$OUT/h2d.json" 2>&1 | tee "$OUT/h2d.txt"
+timeout 60 $PY benchmarks/h2d_bandwidth.py --mib 1024 --json "$OUT/h2d.json" 2>&1 | tee "$OUT/h2d.txt"
 
 step "stream benchmark (RAM tier, cuda)"
-timeout 300 $PY benchmarks/stream_bench.py --device cuda --offload ram --widths 1,16,64,128,256 --repeats 5 \
+timeout 180 $PY benchmarks/stream_bench.py --device cuda --offload ram --widths 1,16,64,128,256 --repeats 5 --no-peer \
     --json "$OUT/stream_ram_cuda.json" 2>&1 | tee "$OUT/stream_ram_cuda.txt"
 bench_rc=${PIPESTATUS[0]}
 

@@ -53,9 +53,44 @@ def test_streamed_equals_resident_on_cuda(ckpt, tmp_path, dtype, offload, buffer
         ex.close()
 
 
-def test_no_device_wide_synchronize_inside_a_pass(ckpt, tmp_path, monkeypatch):
-    plan = plan_for(ckpt, "ram", 2, 0, 4)
-    model = load_target(ckpt, torch.bfloat16, CUDA, plan, OffloadOptions("ram", store_root=tmp_path), progress=False)
+def test_slow_copies_and_slow_compute_still_give_equal_logits(ckpt, tmp_path, monkeypatch):
+    """Stretch both sides with GPU sleeps so that a missing ready/free wait would show: compute
+    reading a buffer before its copy landed, or a copy overwriting a buffer still being read."""
+    import offload_engine.model as model_mod
+    from offload_engine import streamer
+    reference = _on_cuda(run_script(Transformer.from_checkpoint(ckpt, torch.float32, CUDA),
+                                    ckpt.config.vocab_size, device=CUDA))
+    real_fill, real_layer = streamer.LayerExecutor._fill, model_mod.decoder_layer
+
+    def slow_fill(self, layer, b, staged, n):
+        self.copy_stream.wait_event(self.free_events[b])
+        with torch.cuda.stream(self.copy_stream):
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the copy
+        return real_fill(self, layer, b, staged, n)
+
+    def slow_layer(*args, **kwargs):
+        out = real_layer(*args, **kwargs)
+        torch.cuda._sleep(2_000_000)  # the compute stream keeps reading the layer's buffer longer
+        return out
+
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow_fill)
+    monkeypatch.setattr(model_mod, "decoder_layer", slow_layer)
+    for offload, ram_layers in (("ram", 4), ("disk", 0)):
+        plan = plan_for(ckpt, offload, 2, 0, ram_layers)
+        model = load_target(ckpt, torch.float32, CUDA, plan,
+                            OffloadOptions(offload, store_root=tmp_path), progress=False)
+        try:
+            for a, b in zip(_on_cuda(run_script(model, ckpt.config.vocab_size, device=CUDA)), reference):
+                assert torch.equal(a, b), offload
+        finally:
+            model.layers.close()
+
+
+@pytest.mark.parametrize("offload,ram_layers", [("ram", 4), ("disk", 0)])
+def test_no_device_wide_synchronize_inside_a_pass(ckpt, tmp_path, monkeypatch, offload, ram_layers):
+    plan = plan_for(ckpt, offload, 2, 0, ram_layers)
+    model = load_target(ckpt, torch.bfloat16, CUDA, plan, OffloadOptions(offload, store_root=tmp_path),
+                        progress=False)
     calls = []
     real_sync = torch.cuda.synchronize
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append("device"), real_sync(*a, **k)))
@@ -64,9 +99,14 @@ def test_no_device_wide_synchronize_inside_a_pass(ckpt, tmp_path, monkeypatch):
                         lambda self: (calls.append("stream"), real_stream_sync(self)))
     try:
         ids = torch.arange(BATCH, device=CUDA) % ckpt.config.vocab_size
-        cache = model.new_cache(2 * BATCH)
-        for _ in range(3):
-            model.forward(ids, torch.arange(BATCH, device=CUDA), cache)
+        cache = model.new_cache(4 * BATCH)
+        if offload == "ram":  # implicit synchronisations (.item(), pageable copies) raise here
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                model.forward(ids, torch.arange(BATCH, device=CUDA), cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         assert calls == []
         real_sync()
     finally:

@@ -116,3 +116,33 @@ def test_abandoned_pass_keeps_the_loader_in_step(ckpt, reference, tmp_path):
             assert torch.equal(a, b)
     finally:
         model.layers.close()
+
+
+def test_overlapping_passes_are_refused_not_deadlocked(ckpt, tmp_path):
+    plan = plan_for(ckpt, "disk", 2)
+    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
+                        OffloadOptions("disk", store_root=tmp_path), progress=False)
+    try:
+        first = iter(model.layers)
+        next(first)
+        with pytest.raises(RuntimeError, match="already running"):
+            model.forward(torch.tensor([1]), torch.tensor([0]), model.new_cache(4))
+        first.close()  # drains the abandoned pass
+        expected = run_script(Transformer.from_checkpoint(ckpt, torch.float32), ckpt.config.vocab_size)
+        for a, b in zip(run_script(model, ckpt.config.vocab_size), expected):
+            assert torch.equal(a, b)
+    finally:
+        model.layers.close()
+
+
+def test_engine_stops_its_loader_when_collected(ckpt, tmp_path, monkeypatch):
+    import gc
+    import threading
+
+    from offload_engine import Engine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    engine = Engine.load(ckpt.folder, offload="disk", progress=False)
+    assert any(t.name == "layer-loader" for t in threading.enumerate())
+    del engine
+    gc.collect()
+    assert not any(t.name == "layer-loader" and t.is_alive() for t in threading.enumerate())
