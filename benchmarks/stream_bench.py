@@ -36,7 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--widths", default="1,16,64,128,256", help="new tokens per pass")
     p.add_argument("--prefix", type=int, default=128, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=5, help="measurements per width (medians reported)")
-    p.add_argument("--buffers", type=int, default=2)
+    p.add_argument("--buffers", type=int, default=None, help="default: the engine's (2 on CUDA, 6 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--offload", default="disk", choices=("disk", "ram"),
                    help="tier every target layer streams from (default disk)")
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"target": str(engine.folder), "layers_streamed": len(plan.streamed_layers),
               "bytes_per_pass": plan.bytes_per_pass, "raw_read_seconds": raw,
               "raw_read_gbps": plan.bytes_per_pass / raw / 1e9, "tier": args.offload, "device": str(engine.model.device),
-              "buffers": args.buffers,
+              "buffers": plan.buffers,
               "prefix": args.prefix, "passes": rows, "ours_seconds_per_token": ours_tok,
               "ours_stall_seconds_total": stats.stall_seconds, "accelerate": peer,
               "machine": _machine()}

@@ -33,7 +33,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                                 "1 GiB; on the CPU, free RAM minus 4 GiB)")
     o.add_argument("--ram", default=None, help="RAM budget for streamed layers, e.g. 64GiB (default: free RAM "
                                                "minus 4 GiB on a GPU machine; 0 on the CPU)")
-    o.add_argument("--buffers", type=int, default=2, help="device layer buffers for streaming (default 2)")
+    o.add_argument("--buffers", type=int, default=None,
+                   help="layer buffers streamed layers rotate through (default: 2 on CUDA, 6 on the CPU)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

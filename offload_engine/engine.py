@@ -89,7 +89,7 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
 
 
 def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
-              ram=None, buffers=2, max_batch_tokens=1024) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
+              ram=None, buffers=None, max_batch_tokens=1024) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
     """The placement Engine.load would use, without loading anything (`sequoia-offload plan`)."""
     s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True)
     return s.plan, s.folder, s.device, s.dtype
@@ -120,12 +120,13 @@ class Engine:
     def load(cls, target: str | Path | None = "default", device: str | torch.device | None = None,
              dtype: str | torch.dtype | None = None, max_context: int | None = None, *,
              offload: str = "auto", vram: int | str | None = None, ram: int | str | None = None,
-             buffers: int = 2, max_batch_tokens: int = 1024, progress: bool = True) -> "Engine":
+             buffers: int | None = None, max_batch_tokens: int = 1024, progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
         own limit, capped at 8192 tokens. offload/vram/ram/buffers place the target's layers
-        (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB".
+        (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB"; buffers
+        defaults to 2 on CUDA and 6 on the CPU.
         """
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, progress)
         tokenizer = Tokenizer.from_folder(s.folder)

@@ -23,10 +23,18 @@ class OffloadOptions:
     offload: str = "auto"  # auto | none | ram | disk
     vram: int | str | None = None  # device budget; default: free device memory minus a margin
     ram: int | str | None = None  # RAM budget for streamed layers; default: free RAM minus a margin
-    buffers: int = 2  # device layer buffers that streamed layers rotate through
+    buffers: int | None = None  # layer buffers streamed layers rotate through; default_buffers()
     max_batch_tokens: int = 1024  # widest forward pass (prefill chunk, largest tree)
     direct_io: bool = True  # O_DIRECT for the disk tier
     store_root: Path | None = None  # where packed layer stores live (default: the cache folder)
+
+
+def default_buffers(device: torch.device) -> int:
+    """2 on a GPU, where each buffer costs a layer of VRAM. 6 on the CPU, where buffers are plain
+    RAM: measured on the embedded default, disk-streamed, 2 buffers left the disk idle ~40 ms per
+    pass while the head of a 64-token pass computed (the loader can only run k layers ahead); 6
+    kept it busy 98% of the time."""
+    return 2 if device.type == "cuda" else 6
 
 
 def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, opts: OffloadOptions,
@@ -39,7 +47,7 @@ def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, o
     return make_plan(cfg, dtype, offload=opts.offload,
                      vram_bytes=parse_size(opts.vram) if opts.vram is not None else default_vram,
                      ram_bytes=parse_size(opts.ram) if opts.ram is not None else default_ram,
-                     buffers=opts.buffers, max_context=max_context, max_batch_tokens=opts.max_batch_tokens,
+                     buffers=opts.buffers or default_buffers(device), max_context=max_context, max_batch_tokens=opts.max_batch_tokens,
                      draft_bytes=draft_bytes)
 
 

@@ -127,7 +127,7 @@ def test_plan_command_prints_the_table(folder, capsys):
     layer = LayerLayout.for_config(cfg, torch.float32).block_bytes
     fixed = sum(fixed_parts(cfg, torch.float32, CTX, 1024).values())  # the engine's widest batch: 1024
     assert main(["plan", "--target", str(folder), "--device", "cpu", "--max-context", str(CTX),
-                 "--vram", str(fixed + 3 * layer), "--ram", str(2 * layer)]) == 0
+                 "--vram", str(fixed + 3 * layer), "--ram", str(2 * layer), "--buffers", "2"]) == 0
     out = capsys.readouterr().out
     for row in ("| device (resident) | 1 |", "| RAM (pinned with CUDA) | 2 |", "| disk (O_DIRECT) | 3 |"):
         assert row in out
