@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("default-model", help="print the embedded default model's folder (converting it first if needed)")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
+    plan.add_argument("--draft", default=None, help="draft checkpoint folder, counted as resident on the device")
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     stream = bench_sub.add_parser("stream", help="disk-streamed pass time vs raw read time, and vs HF Accelerate")
@@ -190,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .engine import plan_only
     plan, folder, device, dtype = plan_only(args.target, device=args.device, dtype=args.dtype,
                                             max_context=args.max_context, offload=args.offload, vram=args.vram,
-                                            ram=args.ram, buffers=args.buffers)
+                                            ram=args.ram, buffers=args.buffers, draft=args.draft)
     print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}\n")
     print(plan.table())
     return 0

@@ -19,7 +19,7 @@ from .detokenize import TextStream
 from .errors import UserError
 from .loader import OffloadOptions, load_target, make_placement
 from .model import Transformer
-from .placement import PlacementPlan
+from .placement import PlacementPlan, model_bytes
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -71,7 +71,7 @@ class _Setup:
 
 
 def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens,
-           progress) -> _Setup:
+           progress, draft_bytes: int = 0) -> _Setup:
     """Everything Engine.load decides before loading a byte: checked flags, config and the plan."""
     dev = resolve_device(device)
     dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -85,13 +85,20 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     if limit > cfg.max_context:
         raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
     opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens)
-    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit))
+    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit, draft_bytes))
 
 
 def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
-              ram=None, buffers=None, max_batch_tokens=1024) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
-    """The placement Engine.load would use, without loading anything (`sequoia-offload plan`)."""
-    s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True)
+              ram=None, buffers=None, max_batch_tokens=1024,
+              draft: str | Path | None = None) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
+    """The placement Engine.load would use, without loading anything (`sequoia-offload plan`).
+    `draft` (a checkpoint folder) is counted as resident on the device in the compute dtype."""
+    draft_bytes = 0
+    if draft is not None:
+        dev = resolve_device(device)
+        draft_bytes = model_bytes(load_config(resolve_target(draft)),
+                                  parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32))
+    s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True, draft_bytes)
     return s.plan, s.folder, s.device, s.dtype
 
 

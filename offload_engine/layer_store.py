@@ -125,7 +125,7 @@ class BlockReader:
         offset, done = layer * self.block_bytes, 0
         while done < self.block_bytes:
             n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
+            if n <= 0 or (self.direct and n % BLOCK_ALIGN):  # a short O_DIRECT read: EOF
                 raise UserError(f"{self.path}: layer {layer} ends early (file truncated?)")
             done += n
         if not self.direct:

@@ -9,6 +9,7 @@ to the RAM budget; the remainder is read from disk on every pass.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -95,6 +96,14 @@ class PlacementPlan:
         lines.append(f"layer block: {fmt_bytes(self.layer_bytes)}; {len(self.streamed_layers)} of "
                      f"{self.num_layers} layers streamed per pass = {fmt_bytes(self.bytes_per_pass)} per target pass")
         return "\n".join(lines)
+
+
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of a whole model held resident in `dtype` (e.g. a draft): every tensor, no padding."""
+    from .checkpoint import global_shapes, layer_shapes
+    elt = torch.empty((), dtype=dtype).element_size()
+    count = lambda shapes: sum(math.prod(s) for s in shapes.values())  # noqa: E731
+    return (count(global_shapes(cfg)) + cfg.num_layers * count(layer_shapes(cfg))) * elt
 
 
 def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batch_tokens: int,

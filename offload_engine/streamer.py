@@ -130,6 +130,7 @@ class LayerExecutor:
         if self._in_pass:
             raise RuntimeError("a pass is already running on this executor (passes cannot overlap)")
         self._in_pass = True
+        self._collect(wait=False)
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         pass_start = self.clock.mark(stream)
         last_end, done, held = pass_start, 0, None
@@ -192,12 +193,22 @@ class LayerExecutor:
             raise RuntimeError(f"layer loader failed: {self._error}") from self._error
 
     def snapshot(self) -> StreamStats:
-        """Stats so far (resolves pending CUDA timings: call between passes, never inside one)."""
+        """Stats so far (waits for pending CUDA timings: call between passes, never inside one)."""
+        self._collect(wait=True)
         with self._lock:
-            pending, self._pending = self._pending, []
-            for name, start, end in pending:
-                setattr(self.stats, name, getattr(self.stats, name) + self.clock.seconds(start, end))
             return StreamStats(**self.stats.__dict__)
+
+    def _collect(self, wait: bool) -> None:
+        """Fold timings into the stats: all of them (wait=True), or only those already complete,
+        without blocking (called at each pass start, so pending events never pile up)."""
+        with self._lock:
+            keep = []
+            for name, start, end in self._pending:
+                if wait or not self.cuda or end.query():
+                    setattr(self.stats, name, getattr(self.stats, name) + self.clock.seconds(start, end))
+                else:
+                    keep.append((name, start, end))
+            self._pending = keep
 
     # ---- the loader thread ------------------------------------------------------------------
 

@@ -139,3 +139,19 @@ def test_plan_command_refusal_is_one_line(folder, capsys):
     assert main(["plan", "--target", str(folder), "--device", "cpu", "--vram", "1KiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "too small for the resident parts" in err[0]
+
+
+def test_plan_command_counts_a_draft(folder, tmp_path, capsys):
+    from offload_engine.placement import model_bytes
+    draft = make_tiny_checkpoint(tmp_path / "draft", "llama3-gqa", layers=1, hidden=32, heads=2, intermediate=64)
+    expected = model_bytes(load_config(draft), torch.float32)
+    from safetensors import safe_open
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:  # fp32 on disk: the file's tensors
+        assert expected == sum(f.get_tensor(k).numel() * 4 for k in f.keys())
+    capsys.readouterr()
+    assert main(["plan", "--target", str(folder), "--device", "cpu", "--draft", str(draft), "--vram", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "| draft |" in out
+    assert main(["plan", "--target", str(folder), "--device", "cpu", "--draft", str(draft),
+                 "--vram", str(expected)]) == 2
+    assert "draft" in capsys.readouterr().err
