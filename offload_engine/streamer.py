@@ -95,28 +95,47 @@ class LayerExecutor:
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._consumed = 0
         k = plan.buffers if self.order else 0
         self.buffers = [self._device_block() for _ in range(k)]
         self.views = [layout.views(b) for b in self.buffers]
-        self.free = [threading.Semaphore(1) for _ in range(k)]
-        self.ready = [threading.Semaphore(0) for _ in range(k)]
         if self.cuda and self.order:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready_events = [torch.cuda.Event() for _ in range(k)]
             self.free_events = [torch.cuda.Event() for _ in range(k)]
             self.staging = [pinned_block(layout.block_bytes, device) for _ in range(2)] if plan.disk_layers else []
             self.staged_events = [torch.cuda.Event() for _ in self.staging]
-        self._thread = None
+        self._thread: threading.Thread | None = None
         if self.order:
             # The loader needs the GIL back soon after each read returns; with Python's default
             # 5 ms switch interval the disk sat idle while the compute thread ran Python code
             # (measured on 2 cores: 0.5 ms made disk-streamed passes of 64-128 tokens faster).
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-            self._thread = threading.Thread(target=self._loader, name="layer-loader", daemon=True)
+        self._start_loader()
+
+    def _start_loader(self) -> None:
+        """A fresh loader at the start of a pass, buffer 0 first."""
+        k = len(self.buffers)
+        self._stop = threading.Event()
+        self._consumed = 0
+        self.free = [threading.Semaphore(1) for _ in range(k)]
+        self.ready = [threading.Semaphore(0) for _ in range(k)]
+        if self.order:
+            self._thread = threading.Thread(target=self._loader, args=(self._stop,), name="layer-loader",
+                                            daemon=True)
             self._thread.start()
+
+    def _stop_loader(self) -> bool:
+        """Stop the loader (it finishes the read in hand); True when it has really ended."""
+        self._stop.set()
+        joined = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            joined = not self._thread.is_alive()
+            self._thread = None
+        if self.cuda and self.order:
+            self.copy_stream.synchronize()  # copies in flight may still read staging / RAM blocks
+        return joined
 
     def _device_block(self) -> torch.Tensor:
         if self.cuda:
@@ -126,7 +145,7 @@ class LayerExecutor:
     # ---- the compute side -------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[LayerWeights]:
-        """One pass over all layers. Abandoning it midway drains the rest, keeping the loader in step."""
+        """One pass over all layers. Abandoning it midway restarts the loader at the next pass."""
         if self._in_pass:
             raise RuntimeError("a pass is already running on this executor (passes cannot overlap)")
         self._in_pass = True
@@ -156,11 +175,12 @@ class LayerExecutor:
                 done = i + 1
         finally:
             try:
-                if held is not None:  # abandoned while holding a buffer
-                    self._release(held, stream)
-                    done += 1
-                if done < self.plan.num_layers:
-                    self._drain(done)
+                if done < self.plan.num_layers and self.order:
+                    # abandoned midway (an error, Ctrl-C): rather than wait for the rest of the
+                    # pass to stream in, restart the loader at the top of the next pass
+                    if not self._stop_loader():
+                        raise RuntimeError("layer loader did not stop within 30 s")
+                    self._start_loader()
             finally:
                 self._in_pass = False
         self._pending.append(("pass_seconds", pass_start, last_end))
@@ -174,14 +194,6 @@ class LayerExecutor:
             self.free_events[b].record(stream)
         self._consumed += 1
         self.free[b].release()
-
-    def _drain(self, first: int) -> None:
-        for i in range(first, self.plan.num_layers):
-            if i not in self.resident:
-                b = self._consumed % len(self.buffers)
-                self._acquire(self.ready[b])
-                self._consumed += 1
-                self.free[b].release()
 
     def _acquire(self, sem: threading.Semaphore) -> None:
         while not sem.acquire(timeout=_POLL_S):
@@ -212,17 +224,17 @@ class LayerExecutor:
 
     # ---- the loader thread ------------------------------------------------------------------
 
-    def _loader(self) -> None:
+    def _loader(self, stop: threading.Event) -> None:
         n = 0
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device.index)  # a new thread starts on device 0
-            while not self._stop.is_set():
+            while not stop.is_set():
                 layer = self.order[n % len(self.order)]
                 b = n % len(self.buffers)
                 source = self._stage(layer, n)
                 while not self.free[b].acquire(timeout=_POLL_S):
-                    if self._stop.is_set():
+                    if stop.is_set():
                         return
                 self._fill(layer, b, source, n)
                 self.ready[b].release()
@@ -269,14 +281,8 @@ class LayerExecutor:
 
     def close(self) -> None:
         """Stop the loader, let in-flight copies land, release the reader and unpin host memory."""
-        self._stop.set()
-        joined = True
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            joined = not self._thread.is_alive()
-            self._thread = None
+        joined = self._stop_loader()
         if self.cuda and self.order:
-            self.copy_stream.synchronize()  # prefetch copies may still read staging / RAM blocks
             for block in list(self.ram_blocks.values()) + self.staging:
                 unpin_block(block)
             self.ram_blocks, self.staging = {}, []
