@@ -178,6 +178,8 @@ class LayerExecutor:
                 if done < self.plan.num_layers and self.order:
                     # abandoned midway (an error, Ctrl-C): rather than wait for the rest of the
                     # pass to stream in, restart the loader at the top of the next pass
+                    if held is not None and self.cuda:  # kernels already queued may still read it
+                        self.free_events[held].record(stream)
                     if not self._stop_loader():
                         raise RuntimeError("layer loader did not stop within 30 s")
                     self._start_loader()
