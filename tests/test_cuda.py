@@ -111,3 +111,19 @@ def test_no_device_wide_synchronize_inside_a_pass(ckpt, tmp_path, monkeypatch, o
         real_sync()
     finally:
         model.layers.close()
+
+
+def test_abandoned_pass_on_cuda_restarts_cleanly(ckpt, tmp_path):
+    reference = _on_cuda(run_script(Transformer.from_checkpoint(ckpt, torch.float32, CUDA),
+                                    ckpt.config.vocab_size, device=CUDA))
+    plan = plan_for(ckpt, "disk", 2)
+    model = load_target(ckpt, torch.float32, CUDA, plan, OffloadOptions("disk", store_root=tmp_path),
+                        progress=False)
+    try:
+        with pytest.raises(RuntimeError):  # a mask of the wrong shape fails inside layer 0
+            model.forward(torch.tensor([1, 2], device=CUDA), torch.arange(2, device=CUDA), model.new_cache(8),
+                          mask=torch.ones(3, 3, dtype=torch.bool, device=CUDA))
+        for a, b in zip(_on_cuda(run_script(model, ckpt.config.vocab_size, device=CUDA)), reference):
+            assert torch.equal(a, b)
+    finally:
+        model.layers.close()
