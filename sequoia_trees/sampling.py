@@ -61,3 +61,28 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.greedy:
         return int(logits.argmax().item())
     return sample(logits_to_probs(logits, params), generator)
+
+
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Up to k distinct token ids drawn from probs [V] without replacement, in sampling order.
+
+    Gumbel top-k: the k largest log(p) + Gumbel noise are distributed as k successive draws,
+    each from the renormalised remainder. Tokens of probability 0 are never drawn, so fewer than
+    k ids come back when the support is smaller than k.
+    """
+    support = int((probs > 0).sum())
+    k = min(k, support)
+    u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    keys = torch.log(probs.double()) + gumbel  # -inf where p == 0
+    return torch.topk(keys, k).indices
+
+
+def sample_with_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """k independent draws from probs [V] (SpecInfer's children; duplicates possible)."""
+    return torch.multinomial(probs, k, replacement=True, generator=generator)
+
+
+def greedy_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The k most likely token ids, most likely first (children at temperature 0)."""
+    return torch.topk(logits, min(k, logits.shape[-1])).indices

@@ -1,0 +1,160 @@
+"""Exactness of tree verification: the first two emitted tokens must have the target's joint
+distribution, for every stochastic tree kind, by a chi-square test against exact enumeration.
+
+A toy language model over V tokens: the target's and the draft's next-token distributions are
+fixed random functions of the prefix (the draft correlated with the target, as a real draft is).
+Threshold: the test fails when the chi-square p-value is below 1e-4 (a correct sampler fails
+1 run in 10,000); the deliberately wrong verifier (no residual update) must give p < 1e-4.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.dp import optimal_tree
+from sequoia_trees.sampling import SamplingParams, logits_to_probs, sample_with_replacement, sample_without_replacement
+from sequoia_trees.verify import verify_stochastic
+
+V = 8
+SAMPLES = 20_000
+
+
+class ToyPair:
+    def __init__(self, params: SamplingParams, seed: int = 0):
+        self.params, self.seed, self.cache = params, seed, {}
+
+    def probs(self, prefix: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        if prefix not in self.cache:
+            g = torch.Generator().manual_seed(hash((self.seed,) + prefix) % 2**31)
+            target = torch.randn(V, generator=g) * 2.0
+            draft = 0.7 * target + torch.randn(V, generator=g)
+            self.cache[prefix] = (logits_to_probs(target, self.params), logits_to_probs(draft, self.params))
+        return self.cache[prefix]
+
+
+def speculate(pair: ToyPair, prefix: tuple[int, ...], shape, kind: str, g: torch.Generator,
+              wrong: bool = False) -> list[int]:
+    """One step: draw the tree's tokens from the draft, verify against the target."""
+    n = len(shape.parents)
+    tokens = torch.zeros(n, dtype=torch.long)
+    P, Q = torch.zeros(n, V), torch.zeros(n, V)
+    prefixes = [prefix] + [None] * (n - 1)
+    kids = {}
+    for i in range(1, n):
+        kids.setdefault(shape.parents[i], []).append(i)
+    for node in range(n):  # BFS order: a node's prefix is known before its children are drawn
+        P[node], Q[node] = pair.probs(prefixes[node])
+        children = kids.get(node, [])
+        if not children:
+            continue
+        draw = sample_with_replacement if kind == "specinfer" else sample_without_replacement
+        drawn = draw(Q[node], len(children), g).tolist()
+        for child, tok in zip(children, drawn):  # without replacement the support may run out
+            tokens[child] = tok
+            prefixes[child] = prefixes[node] + (tok,)
+        for child in children[len(drawn):]:  # never reached: its parent's draft had no more tokens
+            tokens[child], prefixes[child] = -1, prefixes[node] + (-1,)
+    if wrong:  # a broken verifier: never updates the residual (always tests against P itself)
+        result = _wrong_verify(shape.parents, tokens, P, Q, g)
+    else:
+        result = verify_stochastic(shape.parents, tokens, P, Q, g, without_replacement=(kind != "specinfer"))
+    return [int(tokens[i]) for i in result.accepted] + [result.bonus_token]
+
+
+def _wrong_verify(parents, tokens, P, Q, g):
+    from sequoia_trees.verify import VerifyResult
+    from sequoia_trees.sampling import sample
+    node, acc = 0, []
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node]
+        nxt = None
+        for c in kids:
+            t = int(tokens[c])
+            if t >= 0 and torch.rand((), generator=g) * Q[node, t] < P[node, t]:
+                nxt = c
+                break
+        if nxt is None:
+            return VerifyResult(tuple(acc), sample(P[node], g), ())
+        acc.append(nxt)
+        node = nxt
+
+
+def first_two(pair, shape, kind, g, wrong=False):
+    out: list[int] = []
+    while len(out) < 2:
+        out += speculate(pair, tuple(out), shape, kind, g, wrong)
+    return out[0] * V + out[1]
+
+
+def exact_first_two(pair) -> np.ndarray:
+    p1 = pair.probs(())[0].double().numpy()
+    joint = np.zeros(V * V)
+    for a in range(V):
+        joint[a * V:(a + 1) * V] = p1[a] * pair.probs((a,))[0].double().numpy()
+    return joint
+
+
+def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(probs)).astype(float)
+    expected = probs * len(samples)
+    assert counts[expected == 0].sum() == 0, "emitted a sequence of probability 0"
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+SHAPES = {
+    "sequoia": optimal_tree(AcceptanceVector((0.5, 0.2, 0.1, 0.05)), 8, 3),
+    "specinfer": optimal_tree(AcceptanceVector((0.5, 0.5)), 5, 3),  # 2 sequences sharing a root
+    "chain": optimal_tree(AcceptanceVector((0.9,)), 4, 4),
+}
+
+
+@pytest.mark.parametrize("kind,temperature,top_p", [("sequoia", 0.6, 0.9), ("sequoia", 1.0, 1.0),
+                                                    ("specinfer", 1.0, 0.9), ("chain", 0.6, 1.0)])
+def test_first_two_tokens_have_the_target_distribution(kind, temperature, top_p):
+    pair = ToyPair(SamplingParams(temperature, top_p), seed={"sequoia": 1, "specinfer": 2, "chain": 3}[kind])
+    g = torch.Generator().manual_seed(1234)
+    samples = np.array([first_two(pair, SHAPES[kind], kind, g) for _ in range(SAMPLES)])
+    assert chi_square_p(samples, exact_first_two(pair)) > 1e-4
+
+
+def test_a_verifier_without_the_residual_update_fails_the_same_test():
+    pair = ToyPair(SamplingParams(1.0, 1.0), seed=7)
+    g = torch.Generator().manual_seed(99)
+    samples = np.array([first_two(pair, SHAPES["sequoia"], "sequoia", g, wrong=True) for _ in range(SAMPLES)])
+    assert chi_square_p(samples, exact_first_two(pair)) < 1e-4
+
+
+def test_sampling_without_replacement_draws_in_order_from_the_renormalised_remainder():
+    """20,000 (first, second) pairs against P(a, b) = p_a p_b / (1 - p_a); p-value threshold 1e-4."""
+    probs = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05, 0.0])
+    g = torch.Generator().manual_seed(5)
+    n = len(probs)
+    samples = []
+    for _ in range(SAMPLES):
+        a, b = sample_without_replacement(probs, 2, g).tolist()
+        samples.append(a * n + b)
+    p = probs.double().numpy()
+    exact = np.array([p[a] * p[b] / (1 - p[a]) if a != b else 0.0 for a in range(n) for b in range(n)])
+    assert chi_square_p(np.array(samples), exact) > 1e-4
+    assert len(sample_without_replacement(probs, 10, g)) == 6  # the zero-probability token is never drawn
+
+
+def test_greedy_verification_follows_the_target_argmax():
+    from sequoia_trees.verify import verify_greedy
+    parents = (-1, 0, 0, 1, 1, 2, 3)
+    tokens = torch.tensor([0, 5, 3, 2, 4, 1, 7])
+    logits = torch.zeros(7, 8)
+    logits[0, 3] = 1  # root's argmax is 3: node 2 (rank 1)
+    logits[2, 1] = 1  # node 2's argmax is 1: node 5
+    logits[5, 6] = 1  # node 5 is a leaf: bonus 6
+    r = verify_greedy(parents, tokens, logits)
+    assert r.accepted == (2, 5) and r.accepted_ranks == (1, 0) and r.bonus_token == 6
+    logits[0] = 0
+    logits[0, 7] = 1  # no child matches: nothing accepted, bonus = argmax at the root
+    r = verify_greedy(parents, tokens, logits)
+    assert r.accepted == () and r.bonus_token == 7
