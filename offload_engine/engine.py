@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from sequoia_trees.sampling import SamplingParams, next_token
+from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.sampling import SamplingParams
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config, parse_dtype
@@ -20,6 +21,7 @@ from .errors import UserError
 from .loader import OffloadOptions, load_target, make_placement
 from .model import Transformer
 from .placement import PlacementPlan, model_bytes
+from .speculative import GENERIC_ACCEPTANCE, TREE_KINDS, SpeculativeDecoder, TreeSpec
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -102,10 +104,41 @@ def plan_only(target="default", device=None, dtype=None, max_context=None, offlo
     return s.plan, s.folder, s.device, s.dtype
 
 
+def _tree_spec(kind: str, budget: int, depth: int, width: int, acceptance: AcceptanceVector | None) -> TreeSpec:
+    if kind not in TREE_KINDS:
+        raise UserError(f"--tree {kind!r}: choose one of {', '.join(TREE_KINDS)}")
+    if budget < 1 or depth < 1 or width < 1:
+        raise UserError(f"tree budget, depth and SpecInfer width must be >= 1, got {budget}, {depth}, {width}")
+    spec = TreeSpec(kind, budget, depth, width, acceptance or GENERIC_ACCEPTANCE)
+    try:
+        spec.shape()
+    except ValueError as e:  # e.g. a budget that no tree of that depth can hold
+        raise UserError(f"--tree {kind} --tree-budget {budget} --tree-depth {depth}: {e}") from None
+    return spec
+
+
+def _check_same_vocabulary(folder: Path, cfg: ModelConfig, tokenizer: Tokenizer, draft_folder: Path,
+                           draft_cfg: ModelConfig) -> None:
+    """Verification compares token ids: the draft must share the target's vocabulary exactly."""
+    draft_tok = Tokenizer.from_folder(draft_folder)
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise UserError(f"draft {draft_folder}: vocab_size {draft_cfg.vocab_size} differs from the target's "
+                        f"{cfg.vocab_size} ({folder})")
+    if draft_tok.tok.get_vocab(with_added_tokens=True) != tokenizer.tok.get_vocab(with_added_tokens=True):
+        raise UserError(f"draft {draft_folder}: its tokenizer's vocabulary differs from the target's ({folder})")
+    for name in ("bos_token", "eos_token"):
+        if getattr(draft_tok, name) != getattr(tokenizer, name):
+            raise UserError(f"draft {draft_folder}: {name} {getattr(draft_tok, name)!r} differs from the "
+                            f"target's {getattr(tokenizer, name)!r}")
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, folder: Path, max_context: int,
-                 plan: PlacementPlan, max_batch_tokens: int):
+                 plan: PlacementPlan, max_batch_tokens: int, draft: Transformer | None = None,
+                 tree: TreeSpec = TreeSpec()):
         self.model = model
+        self.draft = draft
+        self.tree = tree
         # stops the loader thread when the engine is closed, collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, model.layers.close)
         self.plan = plan
@@ -127,26 +160,46 @@ class Engine:
     def load(cls, target: str | Path | None = "default", device: str | torch.device | None = None,
              dtype: str | torch.dtype | None = None, max_context: int | None = None, *,
              offload: str = "auto", vram: int | str | None = None, ram: int | str | None = None,
-             buffers: int | None = None, max_batch_tokens: int = 1024, progress: bool = True) -> "Engine":
+             buffers: int | None = None, max_batch_tokens: int = 1024, draft: str | Path | None = None,
+             tree: str = "sequoia", tree_budget: int = 64, tree_depth: int = 8, specinfer_width: int = 4,
+             acceptance: AcceptanceVector | None = None, progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
         own limit, capped at 8192 tokens. offload/vram/ram/buffers place the target's layers
         (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB"; buffers
-        defaults to 2 on CUDA and 6 on the CPU.
+        defaults to 2 on CUDA and 6 on the CPU. With a `draft` checkpoint (same tokenizer), kept
+        resident, generation speculates with a tree of kind `tree` (see `speculative.TREE_KINDS`).
         """
-        s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, progress)
+        spec = _tree_spec(tree, tree_budget, tree_depth, specinfer_width, acceptance)
+        dev = resolve_device(device)
+        draft_folder = resolve_target(draft, progress) if draft is not None else None
+        draft_cfg = load_config(draft_folder) if draft_folder is not None else None
+        dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        draft_bytes = model_bytes(draft_cfg, dt) if draft_cfg is not None else 0
+        s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
+                   max(max_batch_tokens, spec.max_nodes), progress, draft_bytes)
         tokenizer = Tokenizer.from_folder(s.folder)
         if tokenizer.vocab_size > s.cfg.vocab_size:
             raise UserError(f"{s.folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                             f"vocab_size is {s.cfg.vocab_size}")
+        draft_model = None
+        if draft_folder is not None:
+            _check_same_vocabulary(s.folder, s.cfg, tokenizer, draft_folder, draft_cfg)
+            draft_ckpt = Checkpoint(draft_folder, draft_cfg)
+            try:
+                draft_ckpt.check()
+                draft_model = Transformer.from_checkpoint(draft_ckpt, s.dtype, s.device)
+            finally:
+                draft_ckpt.close()
         ckpt = Checkpoint(s.folder, s.cfg)
         try:
             ckpt.check()  # every tensor present with the right shape, before any allocation
             model = load_target(ckpt, s.dtype, s.device, s.plan, s.opts, progress)
         finally:
             ckpt.close()
-        return cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens)
+        return cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens, draft_model,
+                   spec if draft_model is not None else TreeSpec())
 
     def close(self) -> None:
         """Stop the layer loader and release the disk reader (also done when the engine is
@@ -204,18 +257,41 @@ class Engine:
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                 generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None) -> GenerationResult:
-        model, device = self.model, self.model.device
+        """One loop for every mode: plain decoding is a one-node tree without a draft."""
         budget = min(max_new_tokens, self.max_context - len(ids))
-        cache = model.new_cache(len(ids) + budget)
+        spec = self.tree if self.draft is not None else TreeSpec()
+        decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget)
         stream = TextStream(self.tokenizer.decode, stop)
-        before = model.layers.snapshot()
+        before = self.model.layers.snapshot()
         start = time.perf_counter()
-        n = len(ids)
-        logits = self._prefill(ids, cache)
+        token = decoder.first_token(decoder.prefill(ids, self.max_batch_tokens))
         prefill_s = time.perf_counter() - start
         new: list[int] = []
+        steps, by_rank = 0, [0] * max(1, spec.acceptance.width if spec.kind == "sequoia" else spec.max_nodes)
+        pending = [token]
         while True:
-            token = next_token(logits[-1], params, generator)
+            done, eos = self._emit(pending, new, stream, budget, on_token)
+            if done:
+                break
+            step = decoder.step(new[-1])
+            steps += 1
+            for rank in step.verify.accepted_ranks:
+                by_rank[min(rank, len(by_rank) - 1)] += 1
+            pending = step.tokens
+        finish = "stop" if eos or stream.stopped else "length"
+        seconds = time.perf_counter() - start
+        stats = {"prompt_tokens": len(ids), "new_tokens": len(new), "seconds": seconds,
+                 "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,
+                 "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
+                 "finish_reason": finish, "tree": spec.kind, "tree_budget": spec.max_nodes, "tree_depth": spec.depth,
+                 "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
+                 "acceptance_by_rank": by_rank, **self.model.layers.snapshot().minus(before).as_dict()}
+        return GenerationResult(stream.text, new, finish, stats)
+
+    def _emit(self, tokens: list[int], new: list[int], stream: TextStream, budget: int,
+              on_token: OnToken | None) -> tuple[bool, bool]:
+        """Hand out tokens in order until an end-of-sequence token, a stop string or the budget."""
+        for token in tokens:
             new.append(token)
             eos = token in self.eos_token_ids
             text = "" if eos else stream.push(token)
@@ -225,25 +301,5 @@ class Engine:
             if on_token is not None:
                 on_token(token, text)
             if done:
-                break
-            pos = torch.tensor([cache.length], device=device)
-            logits = model.forward(torch.tensor([token], device=device), pos, cache)
-            cache.advance(1)
-        finish = "stop" if eos or stream.stopped else "length"
-        seconds = time.perf_counter() - start
-        stats = {"prompt_tokens": n, "new_tokens": len(new), "seconds": seconds,
-                 "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,
-                 "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
-                 "finish_reason": finish, **model.layers.snapshot().minus(before).as_dict()}
-        return GenerationResult(stream.text, new, finish, stats)
-
-    def _prefill(self, ids: list[int], cache) -> torch.Tensor:
-        """Prompt K/V into the cache in chunks of at most max_batch_tokens; last row's logits."""
-        device, step = self.model.device, self.max_batch_tokens
-        for lo in range(0, len(ids), step):
-            hi = min(lo + step, len(ids))
-            logits = self.model.forward(torch.tensor(ids[lo:hi], device=device),
-                                        torch.arange(lo, hi, device=device), cache,
-                                        logits_rows=slice(hi - lo - 1, hi - lo))
-            cache.advance(hi - lo)
-        return logits
+                return True, eos
+        return False, False

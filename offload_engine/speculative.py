@@ -1,0 +1,211 @@
+"""The decoding loop: a resident draft grows a tree, the (streamed) target verifies it in one pass.
+
+Both caches hold every committed token except the last one, the *root*. One step:
+  1. the draft runs on the tokens it has not seen yet (the root included), then grows the tree
+     level by level with its own KV cache and the tree's ancestor mask, drawing each node's
+     children from its distribution Q (without replacement; top-k at temperature 0);
+  2. the target runs once over [root + every tree node] with the ancestor mask and depth-based
+     positions;
+  3. the tree is verified exactly (sequoia_trees.verify): accepted nodes, then one bonus token;
+  4. both caches keep the root and the accepted path with one gather (`KVCache.commit`), and
+     the bonus token becomes the next root.
+Plain decoding is the same loop with a one-node tree (kind "none"): no draft, and the step is a
+target pass over the root and a draw from its distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.dp import optimal_tree
+from sequoia_trees.sampling import (SamplingParams, greedy_top_k, logits_to_probs, sample,
+                                    sample_with_replacement, sample_without_replacement)
+from sequoia_trees.verify import VerifyResult, verify_greedy, verify_stochastic
+
+from .model import Transformer
+
+TREE_KINDS = ("sequoia", "specexec", "specinfer", "chain", "none")
+# Used by --tree sequoia until a measured vector is given (issue 5 stores measured ones).
+GENERIC_ACCEPTANCE = AcceptanceVector((0.55, 0.15, 0.07, 0.04, 0.025, 0.015, 0.01, 0.008))
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    kind: str = "none"
+    budget: int = 1  # nodes, the root included
+    depth: int = 1  # levels, the root included
+    specinfer_width: int = 4  # SpecInfer: independent sequences sharing the root
+    acceptance: AcceptanceVector = GENERIC_ACCEPTANCE
+
+    def shape(self) -> tuple[int, ...] | None:
+        """Parents of a static tree (BFS order); None for the dynamic (specexec) tree."""
+        if self.kind == "none":
+            return (-1,)
+        if self.kind == "chain":
+            return tuple(range(-1, self.depth - 1))
+        if self.kind == "specinfer":  # k chains of depth-1 tokens below the root
+            parents, k, n = [-1], self.specinfer_width, self.depth - 1
+            for level in range(n):
+                parents += [0] * k if level == 0 else list(range(1 + (level - 1) * k, 1 + level * k))
+            return tuple(parents)
+        if self.kind == "sequoia":
+            return optimal_tree(self.acceptance, self.budget, self.depth).parents
+        return None
+
+    @property
+    def max_nodes(self) -> int:
+        if self.kind == "specinfer":
+            return 1 + self.specinfer_width * (self.depth - 1)
+        return self.depth if self.kind == "chain" else self.budget
+
+
+class Tree:
+    """A tree under construction: nodes in BFS order (node 0 is the root), with its ancestor
+    mask kept up to date as nodes are added."""
+
+    def __init__(self, root: int, max_nodes: int):
+        self.parents, self.tokens, self.depths, self.ranks = [-1], [root], [0], [0]
+        self.mask = torch.zeros(max_nodes, max_nodes, dtype=torch.bool)
+        self.mask[0, 0] = True
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def add(self, parent: int, token: int, rank: int) -> int:
+        i = len(self.parents)
+        self.parents.append(parent)
+        self.tokens.append(token)
+        self.depths.append(self.depths[parent] + 1)
+        self.ranks.append(rank)
+        self.mask[i] = self.mask[parent]
+        self.mask[i, i] = True
+        return i
+
+    def ancestor_mask(self, device, rows: slice | None = None) -> torch.Tensor:
+        n = len(self.parents)
+        return self.mask[rows or slice(0, n), :n].to(device)
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # accepted tokens, then the bonus
+    verify: VerifyResult
+
+
+class SpeculativeDecoder:
+    """Owns the caches of one generation and runs speculation steps."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
+                 generator: torch.Generator, capacity: int):
+        self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
+        self.static_parents = spec.shape()
+        self.target_cache = target.new_cache(capacity + spec.max_nodes)
+        self.draft_cache = draft.new_cache(capacity + spec.max_nodes) if draft is not None else None
+
+    def prefill(self, ids: list[int], chunk: int) -> torch.Tensor:
+        """The whole prompt into both caches (in chunks); the target's logits at its last token."""
+        logits = None
+        for model, cache in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
+            if model is None:
+                continue
+            dev = model.device
+            for lo in range(0, len(ids), chunk):
+                hi = min(lo + chunk, len(ids))
+                rows = slice(hi - lo - 1, hi - lo) if model is self.target and hi == len(ids) else slice(0, 0)
+                out = model.forward(torch.tensor(ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev), cache,
+                                    logits_rows=rows)
+                cache.advance(hi - lo)
+                if model is self.target and hi == len(ids):
+                    logits = out[-1]
+        return logits
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        """The token after the prompt, from the prefill pass (a one-node tree at the prompt's end)."""
+        if self.params.greedy:
+            return int(logits.argmax())
+        return sample(logits_to_probs(logits, self.params).cpu(), self.g)
+
+    def step(self, root: int) -> StepResult:
+        tree = Tree(root, self.spec.max_nodes)
+        draft_probs = self._grow(tree) if self.draft is not None and self.spec.kind != "none" else None
+        result = self._verify(tree, draft_probs)
+        path = [0] + list(result.accepted)
+        base = self.target_cache.length
+        self.target_cache.commit([base + i for i in path])
+        if self.draft_cache is not None:
+            dbase = self.draft_cache.length - len(tree.parents)  # the tree's slots follow the committed ones
+            self.draft_cache.truncate(dbase)
+            self.draft_cache.commit([dbase + i for i in path])
+        return StepResult([tree.tokens[i] for i in result.accepted] + [result.bonus_token], result)
+
+    # ---- target side ------------------------------------------------------------------------
+
+    def _verify(self, tree: Tree, draft_probs: torch.Tensor | None) -> VerifyResult:
+        model, cache, dev = self.target, self.target_cache, self.target.device
+        n, past = len(tree.parents), self.target_cache.length
+        mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev), tree.ancestor_mask(dev)], dim=1)
+        positions = torch.tensor(tree.depths, device=dev) + past
+        logits = model.forward(torch.tensor(tree.tokens, device=dev), positions, cache, mask=mask)
+        tokens = torch.tensor(tree.tokens)
+        if self.params.greedy:
+            return verify_greedy(tree.parents, tokens, logits.cpu())
+        target_probs = logits_to_probs(logits, self.params).cpu()
+        if draft_probs is None:  # a one-node tree: plain sampling
+            return VerifyResult((), sample(target_probs[0], self.g), ())
+        return verify_stochastic(tree.parents, tokens, target_probs, draft_probs, self.g,
+                                 without_replacement=self.spec.kind != "specinfer")
+
+    # ---- draft side -------------------------------------------------------------------------
+
+    def _draft_forward(self, tree: Tree, lo: int, hi: int) -> torch.Tensor:
+        """Draft logits for tree nodes lo..hi-1 (one level), their K/V kept in the scratch slots."""
+        model, cache, dev = self.draft, self.draft_cache, self.draft.device
+        tree_base = cache.length - lo  # slot of tree node 0
+        mask = torch.cat([torch.ones(hi - lo, tree_base, dtype=torch.bool, device=dev),
+                          tree.ancestor_mask(dev, slice(lo, hi))], dim=1)
+        positions = torch.tensor(tree.depths[lo:hi], device=dev) + tree_base
+        logits = model.forward(torch.tensor(tree.tokens[lo:hi], device=dev), positions, cache, mask=mask)
+        cache.advance(hi - lo)
+        return logits.cpu()
+
+    def _children_of(self, logits: torch.Tensor, count: int, with_replacement: bool) -> tuple[list[int], torch.Tensor]:
+        if self.params.greedy:
+            return greedy_top_k(logits, count).tolist(), torch.softmax(logits.float(), -1)
+        q = logits_to_probs(logits, self.params)
+        draw = sample_with_replacement if with_replacement else sample_without_replacement
+        return draw(q, count, self.g).tolist(), q
+
+    def _grow(self, tree: Tree) -> torch.Tensor:
+        """Grow the static tree level by level from the root (every level, the leaves included,
+        runs through the draft so that any accepted node has its K/V); returns Q [n, V]."""
+        parents = self.static_parents
+        if parents is None:
+            return self._grow_best_first(tree)
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            if p >= 0:
+                kids.setdefault(p, []).append(i)
+        shape_id = [0]  # tree node -> node of the static shape (a draft out of support leaves gaps)
+        q_rows: list[torch.Tensor] = []
+        lo = 0
+        while lo < len(tree):
+            hi = len(tree)
+            logits = self._draft_forward(tree, lo, hi)
+            for j, node in enumerate(range(lo, hi)):
+                want = kids.get(shape_id[node], [])
+                if not want:
+                    q_rows.append(torch.zeros(logits.shape[-1]))
+                    continue
+                toks, q = self._children_of(logits[j], len(want), self.spec.kind == "specinfer" and node == 0)
+                q_rows.append(q)
+                for rank, tok in enumerate(toks):
+                    tree.add(node, tok, rank)
+                    shape_id.append(want[rank])
+            lo = hi
+        return torch.stack(q_rows)
+
+    def _grow_best_first(self, tree: Tree) -> torch.Tensor:
+        raise NotImplementedError("specexec trees come with the dynamic tree builder")

@@ -1,0 +1,98 @@
+"""Speculative decoding through the engine: exactly plain greedy at T=0 for every tree kind and
+draft, resident and streamed; the caches after commits equal a fresh prefill."""
+
+import pytest
+import torch
+
+from offload_engine import Engine, UserError
+from tiny_models import make_tiny_checkpoint
+
+PROMPT = "The capital of France is"
+KINDS = [("sequoia", 24, 5), ("specinfer", 0, 4), ("chain", 0, 5)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    target = make_tiny_checkpoint(root / "target", "llama3-gqa", layers=3, init_std=0.3, seed=1)
+    wrong = make_tiny_checkpoint(root / "wrong", "llama3-gqa", layers=1, hidden=32, heads=2, intermediate=64,
+                                 init_std=0.3, seed=2)
+    return target, wrong
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    engine = Engine.load(pair[0], progress=False)
+    engine.eos_token_ids = frozenset()
+    return engine.generate(PROMPT, max_new_tokens=40).token_ids
+
+
+@pytest.mark.parametrize("draft_kind", ["identical", "wrong"])
+@pytest.mark.parametrize("kind,budget,depth", KINDS)
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_greedy_speculation_equals_plain_greedy(pair, plain, tmp_path, monkeypatch, draft_kind, kind, budget,
+                                                depth, offload):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target, wrong = pair
+    draft = target if draft_kind == "identical" else wrong
+    engine = Engine.load(target, draft=draft, tree=kind, tree_budget=budget or 1, tree_depth=depth,
+                         specinfer_width=3, offload=offload, progress=False)
+    engine.eos_token_ids = frozenset()
+    try:
+        result = engine.generate(PROMPT, max_new_tokens=40)
+    finally:
+        engine.close()
+    assert result.token_ids == plain
+    s = result.stats
+    assert s["tree"] == kind and s["target_steps"] >= 1
+    assert s["target_passes"] == s["target_steps"] + 1  # the prefill pass, then one per step
+    if draft_kind == "identical":  # the draft always agrees: every level of the tree is accepted
+        assert s["tokens_per_step"] >= depth - 1
+    else:
+        assert s["tokens_per_step"] < 2.0
+
+
+def test_kv_caches_after_commits_equal_a_fresh_prefill(pair):
+    """After speculative steps, both caches hold exactly the K/V a fresh prefill of the committed
+    sequence gives (the accepted path gathered into place, nothing else)."""
+    from offload_engine.speculative import SpeculativeDecoder, TreeSpec
+    from sequoia_trees.sampling import SamplingParams
+    target_dir, draft_dir = pair
+    engine = Engine.load(target_dir, draft=draft_dir, tree="sequoia", tree_budget=16, tree_depth=4, progress=False)
+    ids = engine.tokenizer.encode(PROMPT)
+    dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(0.8), torch.Generator().manual_seed(0),
+                             256)
+    root = dec.first_token(dec.prefill(ids, 1024))
+    seq = list(ids)
+    for _ in range(5):
+        step = dec.step(root)
+        seq.append(root)
+        seq += step.tokens[:-1]
+        root = step.tokens[-1]
+    for model, cache in ((engine.model, dec.target_cache), (engine.draft, dec.draft_cache)):
+        assert cache.length == len(seq)
+        fresh = model.new_cache(len(seq))
+        model.forward(torch.tensor(seq), torch.arange(len(seq)), fresh)
+        torch.testing.assert_close(cache.k[:, :, :, : len(seq)], fresh.k[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(cache.v[:, :, :, : len(seq)], fresh.v[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
+    engine.close()
+
+
+def test_a_draft_with_another_vocabulary_is_refused(pair, tmp_path):
+    import json
+    import shutil
+    other = shutil.copytree(pair[1], tmp_path / "other")
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(UserError, match="vocabulary differs"):
+        Engine.load(pair[0], draft=other, progress=False)
+
+
+def test_bad_tree_arguments(pair):
+    with pytest.raises(UserError, match="--tree"):
+        Engine.load(pair[0], draft=pair[1], tree="beam", progress=False)
+    with pytest.raises(UserError, match="no tree of 100 nodes"):
+        Engine.load(pair[0], draft=pair[1], tree="sequoia", tree_budget=100, tree_depth=2, progress=False)
