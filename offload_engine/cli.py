@@ -33,6 +33,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                                 "1 GiB; on the CPU, free RAM minus 4 GiB)")
     o.add_argument("--ram", default=None, help="RAM budget for streamed layers, e.g. 64GiB (default: free RAM "
                                                "minus 4 GiB on a GPU machine; 0 on the CPU)")
+    t = p.add_argument_group("speculation (with a draft)")
+    t.add_argument("--draft", default=None, help="draft checkpoint folder (same tokenizer), kept resident")
+    t.add_argument("--tree", default="sequoia", choices=("sequoia", "specexec", "specinfer", "chain", "none"),
+                   help="tree kind (default sequoia: the optimal tree for the acceptance vector)")
+    t.add_argument("--tree-budget", type=int, default=64, help="tree nodes, the root included (default 64)")
+    t.add_argument("--tree-depth", type=int, default=8, help="tree levels, the root included (default 8)")
+    t.add_argument("--specinfer-width", type=int, default=4, help="SpecInfer: independent sequences (default 4)")
     o.add_argument("--buffers", type=int, default=None,
                    help="layer buffers streamed layers rotate through (default: 2 on CUDA, 6 on the CPU)")
 
@@ -73,7 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("default-model", help="print the embedded default model's folder (converting it first if needed)")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
-    plan.add_argument("--draft", default=None, help="draft checkpoint folder, counted as resident on the device")
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     stream = bench_sub.add_parser("stream", help="disk-streamed pass time vs raw read time, and vs HF Accelerate")
@@ -91,7 +97,8 @@ def _load(args: argparse.Namespace, quiet: bool = False):
     from .engine import Engine
     return Engine.load(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
                        offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers,
-                       progress=not quiet)
+                       draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
+                       specinfer_width=args.specinfer_width, progress=not quiet)
 
 
 def _printer(token_id: int, text: str) -> None:
@@ -103,6 +110,8 @@ def _stats_line(stats: dict) -> str:
     line = (f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s; "
             f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_seconds']:.2f} s; "
             f"{stats['target_passes']} target passes")
+    if stats["tree"] != "none":
+        line += f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
     if stats["bytes_streamed"]:
         line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
                  f"stalled {stats['stall_seconds']:.2f} s")
