@@ -21,6 +21,7 @@ import torch
 
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import optimal_tree
+from sequoia_trees.dynamic import BestFirstFrontier
 from sequoia_trees.sampling import (SamplingParams, greedy_top_k, logits_to_probs, sample,
                                     sample_with_replacement, sample_without_replacement)
 from sequoia_trees.verify import VerifyResult, verify_greedy, verify_stochastic
@@ -208,4 +209,27 @@ class SpeculativeDecoder:
         return torch.stack(q_rows)
 
     def _grow_best_first(self, tree: Tree) -> torch.Tensor:
-        raise NotImplementedError("specexec trees come with the dynamic tree builder")
+        """SpecExec: add the globally most probable candidates in batches, each batch one draft
+        forward, until the budget is spent; about depth-1 draft forwards in all."""
+        spec = self.spec
+        frontier = BestFirstFrontier(spec.depth)
+        batch = max(1, (spec.budget - 1) // max(1, spec.depth - 1))
+        width = spec.acceptance.width
+        scores, q_rows = [0.0], []
+        lo, hi = 0, 1
+        while True:
+            logits = self._draft_forward(tree, lo, hi)
+            for j, node in enumerate(range(lo, hi)):
+                toks, q = self._children_of(logits[j], width, False)
+                q_rows.append(q)
+                logq = torch.log(q[toks].double().clamp_min(1e-300)).tolist()
+                frontier.offer(node, scores[node], tree.depths[node], toks, logq)
+            room = spec.budget - len(tree)
+            if room <= 0 or not len(frontier):
+                break
+            lo = len(tree)
+            for cand in frontier.pop(min(batch, room)):
+                tree.add(cand.parent, cand.token, cand.rank)
+                scores.append(cand.score)
+            hi = len(tree)
+        return torch.stack(q_rows)

@@ -123,3 +123,15 @@ def test_acceptance_vector_validation_and_json():
             AcceptanceVector(bad)
     with pytest.raises(ValueError):
         AcceptanceVector.from_json("[0.5]")
+
+
+def test_best_first_frontier_order_prefixes_and_depth_cap():
+    from sequoia_trees.dynamic import BestFirstFrontier
+    f = BestFirstFrontier(max_depth=3)
+    f.offer(0, 0.0, 0, [5, 6, 7], [-0.1, -2.0, -0.5])  # the third is likelier than the second,
+    got = f.pop(2)  # but may only follow it: its score is capped at the second's
+    assert [(c.token, c.rank) for c in got] == [(5, 0), (6, 1)]
+    assert got[1].score == -2.0 and f.pop(1)[0].score == -2.0  # capped third, after the second
+    f.offer(1, -0.1, 1, [8], [-0.2])  # depth 2: allowed (3 levels with the root)
+    f.offer(2, -0.3, 2, [9], [-0.1])  # depth 3 would be a 4th level: refused
+    assert [c.token for c in f.pop(5)] == [8] and len(f) == 0
