@@ -57,7 +57,7 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, tmp_path, monkeypat
 def test_kv_caches_after_commits_equal_a_fresh_prefill(pair):
     """After speculative steps, both caches hold exactly the K/V a fresh prefill of the committed
     sequence gives (the accepted path gathered into place, nothing else)."""
-    from offload_engine.speculative import SpeculativeDecoder, TreeSpec
+    from offload_engine.speculative import SpeculativeDecoder
     from sequoia_trees.sampling import SamplingParams
     target_dir, draft_dir = pair
     engine = Engine.load(target_dir, draft=draft_dir, tree="sequoia", tree_budget=16, tree_depth=4, progress=False)

@@ -34,9 +34,41 @@ class ToyPair:
         return self.cache[prefix]
 
 
+def best_first_tree(pair: ToyPair, prefix: tuple[int, ...], g: torch.Generator, budget: int = 8,
+                    depth: int = 4, width: int = 3):
+    """SpecExec growth with the library's frontier: children drawn without replacement, the most
+    probable candidates added first."""
+    from sequoia_trees.dynamic import BestFirstFrontier
+    frontier = BestFirstFrontier(depth)
+    parents, tokens, depths, scores, prefixes = [-1], [0], [0], [0.0], [prefix]
+    P, Q = [], []
+    node = 0
+    while True:
+        while node < len(parents):  # distributions and candidates for every node added so far
+            p_row, q_row = pair.probs(prefixes[node])
+            P.append(p_row)
+            Q.append(q_row)
+            toks = sample_without_replacement(q_row, width, g).tolist()
+            frontier.offer(node, scores[node], depths[node], toks, torch.log(q_row[toks]).tolist())
+            node += 1
+        if len(parents) >= budget or not len(frontier):
+            break
+        for cand in frontier.pop(min(2, budget - len(parents))):
+            parents.append(cand.parent)
+            tokens.append(cand.token)
+            depths.append(cand.depth)
+            scores.append(cand.score)
+            prefixes.append(prefixes[cand.parent] + (cand.token,))
+    return parents, torch.tensor(tokens), torch.stack(P), torch.stack(Q)
+
+
 def speculate(pair: ToyPair, prefix: tuple[int, ...], shape, kind: str, g: torch.Generator,
               wrong: bool = False) -> list[int]:
     """One step: draw the tree's tokens from the draft, verify against the target."""
+    if kind == "specexec":
+        parents, tokens, P, Q = best_first_tree(pair, prefix, g)
+        result = verify_stochastic(parents, tokens, P, Q, g, without_replacement=True)
+        return [int(tokens[i]) for i in result.accepted] + [result.bonus_token]
     n = len(shape.parents)
     tokens = torch.zeros(n, dtype=torch.long)
     P, Q = torch.zeros(n, V), torch.zeros(n, V)
@@ -110,13 +142,15 @@ SHAPES = {
     "sequoia": optimal_tree(AcceptanceVector((0.5, 0.2, 0.1, 0.05)), 8, 3),
     "specinfer": optimal_tree(AcceptanceVector((0.5, 0.5)), 5, 3),  # 2 sequences sharing a root
     "chain": optimal_tree(AcceptanceVector((0.9,)), 4, 4),
+    "specexec": None,  # grown best-first at every step
 }
 
 
 @pytest.mark.parametrize("kind,temperature,top_p", [("sequoia", 0.6, 0.9), ("sequoia", 1.0, 1.0),
-                                                    ("specinfer", 1.0, 0.9), ("chain", 0.6, 1.0)])
+                                                    ("specinfer", 1.0, 0.9), ("chain", 0.6, 1.0),
+                                                    ("specexec", 0.6, 0.9)])
 def test_first_two_tokens_have_the_target_distribution(kind, temperature, top_p):
-    pair = ToyPair(SamplingParams(temperature, top_p), seed={"sequoia": 1, "specinfer": 2, "chain": 3}[kind])
+    pair = ToyPair(SamplingParams(temperature, top_p), seed={"sequoia": 1, "specinfer": 2, "chain": 3, "specexec": 4}[kind])
     g = torch.Generator().manual_seed(1234)
     samples = np.array([first_two(pair, SHAPES[kind], kind, g) for _ in range(SAMPLES)])
     assert chi_square_p(samples, exact_first_two(pair)) > 1e-4
