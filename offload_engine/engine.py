@@ -249,7 +249,7 @@ class Engine:
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.prompt_ids(prompt, input_ids, messages)
-        generator = torch.Generator(device=self.model.device)
+        generator = torch.Generator()  # sampling and verification run on the CPU copies of the logits
         if seed is not None and not 0 <= seed < 2**63:
             raise UserError(f"seed must be in 0..2**63-1, got {seed}")
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
