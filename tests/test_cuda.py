@@ -127,3 +127,23 @@ def test_abandoned_pass_on_cuda_restarts_cleanly(ckpt, tmp_path):
             assert torch.equal(a, b)
     finally:
         model.layers.close()
+
+
+@pytest.mark.parametrize("kind", ["sequoia", "specexec", "chain"])
+def test_speculative_greedy_equals_plain_greedy_on_cuda(ckpt, tmp_path, monkeypatch, kind):
+    from offload_engine import Engine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    plain = Engine.load(ckpt.folder, device="cuda", dtype="float32", offload="ram", progress=False)
+    spec = Engine.load(ckpt.folder, device="cuda", dtype="float32", offload="ram", draft=ckpt.folder, tree=kind,
+                       tree_budget=16, tree_depth=4, progress=False)
+    try:
+        for engine in (plain, spec):
+            engine.eos_token_ids = frozenset()
+        expected = plain.generate("The capital of France is", max_new_tokens=24).token_ids
+        got = spec.generate("The capital of France is", max_new_tokens=24)
+        assert got.token_ids == expected and got.stats["tokens_per_step"] > 1.5
+        sampled = spec.generate("The capital of France is", max_new_tokens=8, temperature=0.7, seed=3)
+        assert len(sampled.token_ids) == 8
+    finally:
+        plain.close()
+        spec.close()
