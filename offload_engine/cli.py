@@ -40,6 +40,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tree-budget", type=int, default=64, help="tree nodes, the root included (default 64)")
     t.add_argument("--tree-depth", type=int, default=8, help="tree levels, the root included (default 8)")
     t.add_argument("--specinfer-width", type=int, default=4, help="SpecInfer: independent sequences (default 4)")
+    t.add_argument("--acceptance", default=None,
+                   help="acceptance vector JSON (from the acceptance command) shaping --tree sequoia")
     o.add_argument("--buffers", type=int, default=None,
                    help="layer buffers streamed layers rotate through (default: 2 on CUDA, 6 on the CPU)")
 
@@ -78,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out_dir", type=Path)
     conv.add_argument("--dtype", default="float32", help="dtype of the written weights (default float32)")
     sub.add_parser("default-model", help="print the embedded default model's folder (converting it first if needed)")
+    acc = sub.add_parser("acceptance", help="measure the acceptance vector of a (target, draft) pair")
+    _model_args(acc)
+    acc.add_argument("--prompts", required=True, help="one prompt per line, or JSONL chat messages")
+    acc.add_argument("--out", required=True, help="JSON file to write")
+    acc.add_argument("--width", type=int, default=32, help="children of the one-level tree (default 32)")
+    acc.add_argument("--mode", default="on-policy", choices=("on-policy", "teacher-forced"))
+    acc.add_argument("--temperature", type=float, default=0.0)
+    acc.add_argument("--top-p", type=float, default=1.0)
+    acc.add_argument("--max-new-tokens", type=int, default=64, help="on-policy: tokens decoded per prompt")
+    acc.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    acc.add_argument("--seed", type=int, default=0)
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
@@ -98,7 +111,18 @@ def _load(args: argparse.Namespace, quiet: bool = False):
     return Engine.load(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
                        offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers,
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
-                       specinfer_width=args.specinfer_width, progress=not quiet)
+                       specinfer_width=args.specinfer_width, acceptance=_acceptance(args.acceptance),
+                       progress=not quiet)
+
+
+def _acceptance(path: str | None):
+    if path is None:
+        return None
+    from sequoia_trees.acceptance import AcceptanceVector
+    try:
+        return AcceptanceVector.from_json(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise UserError(f"{path}: not an acceptance vector ({e})") from None
 
 
 def _printer(token_id: int, text: str) -> None:
@@ -211,6 +235,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return stream_bench.run(args)
 
 
+def cmd_acceptance(args: argparse.Namespace) -> int:
+    from sequoia_trees.sampling import SamplingParams
+
+    from . import measure
+    if args.width < 1:
+        raise UserError(f"--width must be >= 1, got {args.width}")
+    prompts = measure.read_prompts(args.prompts)[: args.limit]
+    try:
+        params = SamplingParams(args.temperature, args.top_p)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    engine = _load(args)
+    if args.mode == "on-policy":
+        vector, count = measure.on_policy(engine, prompts, args.width, params, args.max_new_tokens, args.seed)
+    else:
+        vector, count = measure.teacher_forced(engine, prompts, args.width, params, args.seed)
+    out = {"acceptance": list(vector.probs), "mode": args.mode, "width": args.width,
+           "temperature": args.temperature, "top_p": args.top_p, "samples": count, "prompts": len(prompts),
+           "target": str(engine.folder), "draft": str(args.draft)}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    head = ", ".join(f"{p:.3f}" for p in vector.probs[:8])
+    print(f"acceptance ({args.mode}, {count} {'steps' if args.mode == 'on-policy' else 'positions'}): "
+          f"p_1..p_8 = [{head}], sum = {sum(vector.probs):.3f} -> {args.out}")
+    return 0
+
+
 def cmd_default_model(args: argparse.Namespace) -> int:
     from .default_model import default_model_dir
     print(default_model_dir(progress=True))
@@ -218,7 +268,8 @@ def cmd_default_model(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "convert-gguf": cmd_convert,
-            "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench}
+            "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench,
+            "acceptance": cmd_acceptance}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,3 +98,33 @@ def test_bad_tree_arguments(pair):
         Engine.load(pair[0], draft=pair[1], tree="beam", progress=False)
     with pytest.raises(UserError, match="no tree of 100 nodes"):
         Engine.load(pair[0], draft=pair[1], tree="sequoia", tree_budget=100, tree_depth=2, progress=False)
+
+
+@pytest.mark.parametrize("mode", ["on-policy", "teacher-forced"])
+def test_acceptance_command_with_an_identical_draft(pair, tmp_path, capsys, mode):
+    """A draft identical to the target is accepted at rank 1 every time at temperature 0."""
+    import json
+
+    from offload_engine.cli import main
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "Hello there"}]}\nThe capital of France is\n')
+    out = tmp_path / "acc.json"
+    assert main(["acceptance", "--target", str(pair[0]), "--draft", str(pair[0]), "--prompts", str(prompts),
+                 "--out", str(out), "--width", "4", "--mode", mode, "--max-new-tokens", "12"]) == 0
+    data = json.loads(out.read_text())
+    assert data["acceptance"][0] == pytest.approx(1.0) and sum(data["acceptance"][1:]) == 0.0
+    assert data["samples"] > 5 and data["mode"] == mode
+    from sequoia_trees.acceptance import AcceptanceVector
+    assert AcceptanceVector.from_json(out.read_text()).width == 4  # loadable as --acceptance
+
+
+def test_acceptance_command_with_a_wrong_draft_sampled(pair, tmp_path):
+    from offload_engine.cli import main
+    out = tmp_path / "acc.json"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The capital of France is\nNumbers: 1 2 3\n")
+    assert main(["acceptance", "--target", str(pair[0]), "--draft", str(pair[1]), "--prompts", str(prompts),
+                 "--out", str(out), "--width", "4", "--temperature", "0.8", "--max-new-tokens", "16"]) == 0
+    import json
+    p = json.loads(out.read_text())["acceptance"]
+    assert len(p) == 4 and 0 <= sum(p) < 0.9

@@ -1,0 +1,92 @@
+"""Measuring a (target, draft) pair's acceptance vector (REFERENCES.md 1.2).
+
+on-policy: real decoding with a one-level tree of `width` children; p_i = how often the i-th
+child was the accepted one. teacher-forced: over the prompts' own text, the analytic rates at
+every position (cheaper: one target pass per text, no generation).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from sequoia_trees.acceptance import AcceptanceVector, greedy_rates, teacher_forced_rates
+from sequoia_trees.sampling import SamplingParams, logits_to_probs
+
+from .engine import Engine
+from .errors import UserError
+from .speculative import TreeSpec
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """One prompt per line, or JSONL lines holding a list of chat messages or {"messages": [...]}.
+    Returns [{"messages": [...]}] or [{"prompt": "..."}] items."""
+    path = Path(path)
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read prompts ({e})") from None
+    items = []
+    for number, line in enumerate(lines, 1):
+        if line.lstrip().startswith(("{", "[")):
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            messages = data.get("messages") if isinstance(data, dict) else data
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise UserError(f'{path}:{number}: expected a list of messages or {{"messages": [...]}}')
+            items.append({"messages": messages})
+        else:
+            items.append({"prompt": line})
+    if not items:
+        raise UserError(f"{path}: no prompts")
+    return items
+
+
+def on_policy(engine: Engine, prompts: list[dict], width: int, params: SamplingParams, max_new_tokens: int,
+              seed: int) -> tuple[AcceptanceVector, int]:
+    """Decode every prompt with a one-level tree of `width` children; count the accepted rank."""
+    if engine.draft is None:
+        raise UserError("measuring acceptance needs a draft (--draft)")
+    saved = engine.tree
+    engine.tree = TreeSpec("sequoia", width + 1, 2, acceptance=AcceptanceVector((0.5 / width,) * width))
+    counts, steps = torch.zeros(width, dtype=torch.float64), 0
+    try:
+        for i, item in enumerate(prompts):
+            stats = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=params.temperature,
+                                    top_p=params.top_p, seed=seed + i).stats
+            counts += torch.tensor(stats["acceptance_by_rank"][:width], dtype=torch.float64)
+            steps += stats["target_steps"]
+    finally:
+        engine.tree = saved
+    if not steps:
+        raise UserError("no speculation step ran (answers of one token?); use longer prompts or --max-new-tokens")
+    return AcceptanceVector(tuple((counts / steps).tolist())), steps
+
+
+def teacher_forced(engine: Engine, prompts: list[dict], width: int, params: SamplingParams,
+                   seed: int) -> tuple[AcceptanceVector, int]:
+    """Analytic rates at every position of each prompt's own tokens, averaged."""
+    if engine.draft is None:
+        raise UserError("measuring acceptance needs a draft (--draft)")
+    g = torch.Generator().manual_seed(seed)
+    total, positions = torch.zeros(width, dtype=torch.float64), 0
+    for item in prompts:
+        ids = engine.prompt_ids(**item)
+        logits = []
+        for model in (engine.model, engine.draft):
+            dev = model.device
+            out = model.forward(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev),
+                                model.new_cache(len(ids)))
+            logits.append(out.cpu())
+        for t in range(len(ids)):
+            if params.greedy:
+                total += greedy_rates(logits[0][t], logits[1][t], width)
+            else:
+                total += teacher_forced_rates(logits_to_probs(logits[0][t], params),
+                                              logits_to_probs(logits[1][t], params), width, g)
+        positions += len(ids)
+    return AcceptanceVector(tuple((total / positions).tolist())), positions
