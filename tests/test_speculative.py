@@ -128,3 +128,25 @@ def test_acceptance_command_with_a_wrong_draft_sampled(pair, tmp_path):
     import json
     p = json.loads(out.read_text())["acceptance"]
     assert len(p) == 4 and 0 <= sum(p) < 0.9
+
+
+def test_eos_inside_an_accepted_path_and_stop_strings_end_generation_as_in_plain(pair, plain):
+    target, _ = pair
+    eos = plain[12]
+    cut = plain.index(eos) + 1  # the first occurrence ends plain decoding
+    base = Engine.load(target, progress=False)
+    spec = Engine.load(target, draft=target, tree="chain", tree_depth=6, progress=False)  # accepts whole chains
+    for engine in (base, spec):
+        engine.eos_token_ids = frozenset({eos})
+    a = base.generate(PROMPT, max_new_tokens=40)
+    b = spec.generate(PROMPT, max_new_tokens=40)
+    assert a.token_ids == plain[:cut] == b.token_ids and b.finish_reason == "stop"
+    assert b.stats["tokens_per_step"] > 1.0  # the EOS really arrived inside a multi-token step
+    for engine in (base, spec):
+        engine.eos_token_ids = frozenset()
+    text = base.generate(PROMPT, max_new_tokens=40).text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    pieces = []
+    c = base.generate(PROMPT, max_new_tokens=40, stop=[stop])
+    d = spec.generate(PROMPT, max_new_tokens=40, stop=[stop], on_token=lambda t, s: pieces.append(s))
+    assert c.text == d.text == text[: text.find(stop)] == "".join(pieces)
