@@ -43,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     prompts = [json.loads(line)["messages"] for line in
                (Path(__file__).parent / "prompts.jsonl").read_text().splitlines()[: args.prompts]]
-    kinds = {"sequoia": {}, "specexec": {}, "chain": {"tree_depth": args.depth},
+    kinds = {"sequoia": {}, "specexec": {}, "chain": {"tree_depth": args.budget},  # a chain of `budget` nodes
              "specinfer": {"specinfer_width": max(1, (args.budget - 1) // (args.depth - 1))}}
     rows = []
     for temperature in (0.0, 0.6):
         for kind, extra in kinds.items():
-            kw = {"tree_budget": args.budget, "tree_depth": args.depth, **extra}
+            kw = {"tree_budget": args.budget, "tree_depth": args.depth, **extra}  # extra overrides
             engine = Engine.load("default", device="cpu", offload="none", draft="default", tree=kind, progress=False,
                                  **kw)
             fake_quantise_(engine.draft, args.bits)
@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
                 steps += s["target_steps"]
             nodes = engine.tree.max_nodes
             engine.close()
-            rows.append({"tree": kind, "temperature": temperature, "nodes": nodes, "depth": args.depth,
+            rows.append({"tree": kind, "temperature": temperature, "nodes": nodes, "depth": engine.tree.depth,
                          "tokens_per_step": new / max(steps, 1), "steps": steps})
             print(f"T={temperature} {kind:9s} {nodes:3d} nodes: {new / max(steps, 1):.2f} tokens/step ({steps} steps)",
                   flush=True)
-    print("\n| T | tree | nodes | tokens/step |\n|---|---|---:|---:|")
+    print("\n| T | tree | nodes | levels | tokens/step |\n|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['temperature']} | {r['tree']} | {r['nodes']} | {r['tokens_per_step']:.2f} |")
+        print(f"| {r['temperature']} | {r['tree']} | {r['nodes']} | {r['depth']} | {r['tokens_per_step']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"bits": args.bits, "rows": rows}, indent=2))
     return 0
