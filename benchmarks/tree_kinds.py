@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = Engine.load("default", device="cpu", offload="none", draft="default", tree=kind, progress=False,
                                  **kw)
             fake_quantise_(engine.draft, args.bits)
-            new, steps, accepted = 0, 0, 0
+            new, steps = 0, 0
             for i, messages in enumerate(prompts):
                 s = engine.generate(messages=messages, max_new_tokens=args.max_new_tokens, temperature=temperature,
                                     seed=i).stats

@@ -12,7 +12,7 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .default_model import cache_root
 from .layer_store import LayerLayout, aligned_buffer, open_or_build
-from .model import Transformer
+from .model import Transformer, load_globals
 from .placement import PlacementPlan, default_budgets, make_plan, parse_size
 from .streamer import LayerExecutor, pinned_block
 
@@ -59,10 +59,7 @@ def load_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, plan
                 opts: OffloadOptions, progress: bool = True) -> Transformer:
     """Resident parts onto the device, streamed layers into the RAM tier or the disk store."""
     cfg = ckpt.config
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    globals_ = {n: ckpt.load(n, dtype, device) for n in names}
+    globals_ = load_globals(ckpt, dtype, device)
     bar = tqdm(plan.resident_layers, desc="loading resident layers", unit="layer", leave=False,
                disable=None if progress else True)
     resident = {i: ckpt.load_layer(i, dtype, device) for i in bar}

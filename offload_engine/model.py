@@ -104,6 +104,14 @@ def causal_mask(past: int, new: int, device: str | torch.device = "cpu") -> torc
     return cols[None, :] <= rows
 
 
+def load_globals(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors outside the decoder layers: embeddings, final norm, and the head when untied."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not ckpt.config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return {n: ckpt.load(n, dtype, device) for n in names}
+
+
 class Transformer:
     """A Llama-family decoder. `layers` is any re-iterable of per-layer weights on the device: a
     list when everything is resident, a `LayerExecutor` when layers stream in."""
@@ -120,16 +128,11 @@ class Transformer:
         self.inv_freq = rope_inv_freq(cfg).to(device)
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",
-                        progress: Iterable[int] | None = None) -> "Transformer":
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu") -> "Transformer":
+        """Every weight resident on `device`."""
         device = torch.device(device)
-        cfg = ckpt.config
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not cfg.tie_word_embeddings:
-            names.append("lm_head.weight")
-        globals_ = {n: ckpt.load(n, dtype, device) for n in names}
-        layers = [ckpt.load_layer(i, dtype, device) for i in (progress or range(cfg.num_layers))]
-        return cls(cfg, globals_, layers, dtype, device)
+        layers = [ckpt.load_layer(i, dtype, device) for i in range(ckpt.config.num_layers)]
+        return cls(ckpt.config, load_globals(ckpt, dtype, device), layers, dtype, device)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.cfg

@@ -56,13 +56,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """The next token from logits [V]: argmax when greedy, else a draw from the truncated distribution."""
-    if params.greedy:
-        return int(logits.argmax().item())
-    return sample(logits_to_probs(logits, params), generator)
-
-
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Up to k distinct token ids drawn from probs [V] without replacement, in sampling order.
 
