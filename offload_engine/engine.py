@@ -260,7 +260,8 @@ class Engine:
         """One loop for every mode: plain decoding is a one-node tree without a draft."""
         budget = min(max_new_tokens, self.max_context - len(ids))
         spec = self.tree if self.draft is not None else TreeSpec()
-        decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget)
+        draft = self.draft if spec.kind != "none" else None  # --tree none: the draft sits idle
+        decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()

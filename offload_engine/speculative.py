@@ -131,6 +131,7 @@ class SpeculativeDecoder:
 
     def step(self, root: int) -> StepResult:
         tree = Tree(root, self.spec.max_nodes)
+        self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
         draft_probs = self._grow(tree) if self.draft is not None and self.spec.kind != "none" else None
         result = self._verify(tree, draft_probs)
         path = [0] + list(result.accepted)
@@ -157,7 +158,7 @@ class SpeculativeDecoder:
         if draft_probs is None:  # a one-node tree: plain sampling
             return VerifyResult((), sample(target_probs[0], self.g), ())
         return verify_stochastic(tree.parents, tokens, target_probs, draft_probs, self.g,
-                                 without_replacement=self.spec.kind != "specinfer")
+                                 without_replacement=self.spec.kind != "specinfer", extra_draws=self._extra)
 
     # ---- draft side -------------------------------------------------------------------------
 
@@ -210,18 +211,20 @@ class SpeculativeDecoder:
 
     def _grow_best_first(self, tree: Tree) -> torch.Tensor:
         """SpecExec: add the globally most probable candidates in batches, each batch one draft
-        forward, until the budget is spent; about depth-1 draft forwards in all."""
+        forward, until the budget is spent; about depth-1 draft forwards in all. Each node's
+        draws that stay out of the tree are kept for verification (see verify_stochastic)."""
         spec = self.spec
         frontier = BestFirstFrontier(spec.depth)
         batch = max(1, (spec.budget - 1) // max(1, spec.depth - 1))
         width = spec.acceptance.width
-        scores, q_rows = [0.0], []
+        scores, q_rows, draws = [0.0], [], {}
         lo, hi = 0, 1
         while True:
             logits = self._draft_forward(tree, lo, hi)
             for j, node in enumerate(range(lo, hi)):
                 toks, q = self._children_of(logits[j], width, False)
                 q_rows.append(q)
+                draws[node] = toks
                 logq = torch.log(q[toks].double().clamp_min(1e-300)).tolist()
                 frontier.offer(node, scores[node], tree.depths[node], toks, logq)
             room = spec.budget - len(tree)
@@ -232,4 +235,8 @@ class SpeculativeDecoder:
                 tree.add(cand.parent, cand.token, cand.rank)
                 scores.append(cand.score)
             hi = len(tree)
+        in_tree: dict[int, int] = {}
+        for parent in tree.parents[1:]:
+            in_tree[parent] = in_tree.get(parent, 0) + 1
+        self._extra = {node: toks[in_tree.get(node, 0):] for node, toks in draws.items()}
         return torch.stack(q_rows)

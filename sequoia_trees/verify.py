@@ -43,9 +43,13 @@ def _normalise(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                      generator: torch.Generator | None = None, without_replacement: bool = True) -> VerifyResult:
+                      generator: torch.Generator | None = None, without_replacement: bool = True,
+                      extra_draws: dict[int, list[int]] | None = None) -> VerifyResult:
     """parents[i]: node i's parent (root = node 0, -1); tokens[i]: node i's token; target_probs and
     draft_probs [n, V]: P and Q at each node (Q is what the node's children were drawn from).
+    extra_draws[i]: tokens drawn at node i after its children in the tree, in draw order (a
+    best-first tree keeps a prefix of each node's draws whose length depends on the tokens drawn;
+    testing the rest the same way keeps the rule exact, and an accepted one is the bonus token).
     Fresh uniforms are drawn from `generator` for every test."""
     kids = _children(parents)
     node, accepted, ranks = 0, [], []
@@ -53,10 +57,13 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
         residual = target_probs[node].double()
         q = draft_probs[node].double().clone()
         step = None
-        for rank, child in enumerate(kids.get(node, [])):
-            t = int(tokens[child])
+        candidates = [(int(tokens[c]), c) for c in kids.get(node, [])]
+        candidates += [(t, None) for t in (extra_draws or {}).get(node, [])]
+        for rank, (t, child) in enumerate(candidates):
             u = torch.rand((), generator=generator, dtype=torch.float64, device=residual.device)
             if u * q[t] < residual[t]:  # accept with probability min(1, R[t] / Q[t])
+                if child is None:  # a drawn token outside the tree: it is the bonus
+                    return VerifyResult(tuple(accepted), t, tuple(ranks))
                 step = (child, rank)
                 break
             new = _normalise((residual - q).clamp_min(0))  # R <- norm(max(R - Q, 0))
