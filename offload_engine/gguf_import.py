@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import parse_dtype
+from .config import DTYPE_NAMES, parse_dtype
 from .errors import UserError
 from .gguf_tokenizer import KNOWN_PRE_TOKENIZERS, build_tokenizer  # noqa: F401 (re-exported)
 
@@ -328,7 +328,6 @@ def _plan_model(path: Path, reader, meta: dict) -> tuple[dict, list[_Entry]]:
 # Writing
 # --------------------------------------------------------------------------------------------
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _materialize(path: Path, e: _Entry, dtype: torch.dtype) -> torch.Tensor:
@@ -418,7 +417,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     dtype = parse_dtype(dtype)
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype {dtype} is not supported for conversion (use float32, float16 or bfloat16)")
     if shard_bytes <= 0:
         raise UserError(f"shard_bytes must be positive, got {shard_bytes}")
@@ -435,7 +434,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         config["eos_token_id"] = tk.eos_id
     if tk.pad_id is not None:
         config["pad_token_id"] = tk.pad_id
-    config["torch_dtype"] = _DTYPE_NAMES[dtype]
+    config["torch_dtype"] = DTYPE_NAMES[dtype]
     n_tokens = len(meta.get("tokenizer.ggml.tokens") or [])
     if n_tokens > config["vocab_size"]:
         raise UserError(f"{gguf_path}: the tokenizer has {n_tokens} tokens but token_embd.weight only "

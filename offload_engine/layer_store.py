@@ -17,7 +17,6 @@ import mmap
 import os
 import secrets
 import shutil
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +25,13 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import Checkpoint, layer_shapes
-from .config import ModelConfig
+from .config import DTYPE_NAMES, ModelConfig
 from .errors import UserError
+from .fsutil import remove_stale_temps
 
 FORMAT_VERSION = 1
 BLOCK_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length all multiples of this
 TENSOR_ALIGN = 256
-_STALE_TEMP_SECONDS = 3600
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -82,7 +80,7 @@ class LayerLayout:
             view.copy_(weights[name])
 
     def to_json(self) -> dict:
-        return {"dtype": _DTYPE_NAMES[self.dtype], "block_bytes": self.block_bytes,
+        return {"dtype": DTYPE_NAMES[self.dtype], "block_bytes": self.block_bytes,
                 "slots": [[s.name, s.offset, list(s.shape)] for s in self.slots]}
 
 
@@ -159,7 +157,7 @@ class LayerStore:
 
 def store_key(folder: Path, cfg_text: bytes, dtype: torch.dtype) -> str:
     """Changes with the checkpoint's files (name, size, mtime), its config, the dtype and the format."""
-    h = hashlib.sha256(f"v{FORMAT_VERSION}|{_DTYPE_NAMES[dtype]}|{folder.resolve()}".encode())
+    h = hashlib.sha256(f"v{FORMAT_VERSION}|{DTYPE_NAMES[dtype]}|{folder.resolve()}".encode())
     h.update(cfg_text)
     for p in sorted(folder.glob("*.safetensors")):
         st = p.stat()
@@ -188,7 +186,7 @@ def open_or_build(ckpt: Checkpoint, dtype: torch.dtype, root: Path, progress: bo
     if target.exists():  # wrong size or layout: never trusted, rebuilt
         shutil.rmtree(target, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(root)
+    remove_stale_temps(root, ".*.tmp-*")
     tmp = root / f".{target.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -217,13 +215,3 @@ def _write_store(ckpt: Checkpoint, layout: LayerLayout, tmp: Path, progress: boo
     meta = {"format": FORMAT_VERSION, "num_layers": cfg.num_layers, "layout": layout.to_json(),
             "source": str(ckpt.folder.resolve())}
     (tmp / "layout.json").write_text(json.dumps(meta, indent=1))
-
-
-def _remove_stale_temps(root: Path) -> None:
-    now = time.time()
-    for p in root.glob(".*.tmp-*"):
-        try:
-            if now - p.stat().st_mtime > _STALE_TEMP_SECONDS:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
