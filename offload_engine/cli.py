@@ -34,7 +34,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--ram", default=None, help="RAM budget for streamed layers, e.g. 64GiB (default: free RAM "
                                                "minus 4 GiB on a GPU machine; 0 on the CPU)")
     t = p.add_argument_group("speculation (with a draft)")
-    t.add_argument("--draft", default=None, help="draft checkpoint folder (same tokenizer), kept resident")
+    t.add_argument("--draft", default=None,
+                   help="draft kept resident: a checkpoint folder (same tokenizer); 'default' (the embedded "
+                        "target's distilled draft); 'self-int8' or 'self-int4' (the target's own layers "
+                        "quantised, sharing its embeddings and head)")
+    t.add_argument("--draft-group-size", type=int, default=64,
+                   help="self-int4: inputs per quantisation group (default 64)")
     t.add_argument("--tree", default="sequoia", choices=("sequoia", "specexec", "specinfer", "chain", "none"),
                    help="tree kind (default sequoia: the optimal tree for the acceptance vector)")
     t.add_argument("--tree-budget", type=int, default=64, help="tree nodes, the root included (default 64)")
@@ -91,6 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--max-new-tokens", type=int, default=64, help="on-policy: tokens decoded per prompt")
     acc.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     acc.add_argument("--seed", type=int, default=0)
+    dist = sub.add_parser("distill", help="distil a small draft for a target from the target's own answers")
+    dist.add_argument("--target", default="default", help="checkpoint folder or 'default'")
+    dist.add_argument("--out", required=True, type=Path, help="folder to write (Hugging Face layout)")
+    dist.add_argument("--layers", type=int, default=3, help="decoder layers of the draft (default 3)")
+    dist.add_argument("--hidden", type=int, default=None,
+                      help="hidden size (default: the target's; then the draft starts from the target's weights)")
+    dist.add_argument("--tokens", type=int, default=200_000, help="training positions in all (default 200000)")
+    dist.add_argument("--gen-tokens", type=int, default=None,
+                      help="tokens of target answers to generate (default: half of --tokens)")
+    dist.add_argument("--prompts", default=None, help="prompt list (default: the shipped distill_prompts.jsonl)")
+    dist.add_argument("--data", default=None, help="extra plain-text file to train on as well")
+    dist.add_argument("--init-layers", default=None, help="target layers to copy, e.g. 0,1,2 (default: the first ones)")
+    dist.add_argument("--lr", type=float, default=3e-4)
+    dist.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    dist.add_argument("--seed", type=int, default=0)
+    dist.add_argument("--device", default="cpu", help="cpu or cuda")
+    dist.add_argument("--resume", action="store_true", help="continue the interrupted run in <out>.partial")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
@@ -112,7 +134,7 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers,
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                        specinfer_width=args.specinfer_width, acceptance=_acceptance(args.acceptance),
-                       progress=not quiet)
+                       draft_group_size=args.draft_group_size, progress=not quiet)
 
 
 def _acceptance(path: str | None):
@@ -224,7 +246,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .engine import plan_only
     plan, folder, device, dtype = plan_only(args.target, device=args.device, dtype=args.dtype,
                                             max_context=args.max_context, offload=args.offload, vram=args.vram,
-                                            ram=args.ram, buffers=args.buffers, draft=args.draft)
+                                            ram=args.ram, buffers=args.buffers, draft=args.draft,
+                                            draft_group_size=args.draft_group_size)
     print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}\n")
     print(plan.table())
     return 0
@@ -253,11 +276,28 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         vector, count = measure.teacher_forced(engine, prompts, args.width, params, args.seed)
     out = {"acceptance": list(vector.probs), "mode": args.mode, "width": args.width,
            "temperature": args.temperature, "top_p": args.top_p, "samples": count, "prompts": len(prompts),
-           "target": str(engine.folder), "draft": str(args.draft)}
+           "target": str(engine.folder), "draft": str(args.draft),
+           "target_fingerprint": engine.target_fingerprint, "draft_key": engine.draft_key}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     head = ", ".join(f"{p:.3f}" for p in vector.probs[:8])
     print(f"acceptance ({args.mode}, {count} {'steps' if args.mode == 'on-policy' else 'positions'}): "
           f"p_1..p_8 = [{head}], sum = {sum(vector.probs):.3f} -> {args.out}")
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from .distill import DistillOptions, distill
+    try:
+        init = tuple(int(x) for x in args.init_layers.split(",")) if args.init_layers else None
+    except ValueError:
+        raise UserError(f"--init-layers {args.init_layers!r}: give comma-separated layer numbers") from None
+    opts = DistillOptions(layers=args.layers, hidden=args.hidden, tokens=args.tokens, gen_tokens=args.gen_tokens,
+                          prompts=args.prompts, data=args.data, init_layers=init, lr=args.lr,
+                          batch_size=args.batch_size, seed=args.seed, device=args.device)
+    out = distill(args.target, args.out, opts, resume=args.resume)
+    report = json.loads((out / "distill.json").read_text())
+    print(f"{out}: {report['tokens_seen']} training positions in {report['seconds'] / 60:.1f} min; held-out "
+          f"top-1 agreement {report['final_agreement']:.3f}")
     return 0
 
 
@@ -269,7 +309,7 @@ def cmd_default_model(args: argparse.Namespace) -> int:
 
 COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "convert-gguf": cmd_convert,
             "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench,
-            "acceptance": cmd_acceptance}
+            "acceptance": cmd_acceptance, "distill": cmd_distill}
 
 
 def main(argv: list[str] | None = None) -> int:

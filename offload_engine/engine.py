@@ -6,7 +6,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -14,13 +14,16 @@ import torch
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams
 
+from .acceptance_store import draft_key, fingerprint, nearest, stored_vectors
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config, parse_dtype
 from .detokenize import TextStream
+from .drafts import SELF_DRAFTS, build_self_draft, check_group_size, default_draft_dir, self_draft_bytes, self_draft_scheme
 from .errors import UserError
 from .loader import OffloadOptions, load_target, make_placement
 from .model import Transformer
 from .placement import PlacementPlan, model_bytes
+from .quant import DEFAULT_GROUP_SIZE
 from .speculative import GENERIC_ACCEPTANCE, TREE_KINDS, SpeculativeDecoder, TreeSpec
 from .tokenizer import Tokenizer
 
@@ -70,10 +73,12 @@ class _Setup:
     max_context: int
     opts: OffloadOptions
     plan: PlacementPlan
+    draft_folder: Path | None = None
+    draft_cfg: ModelConfig | None = None
 
 
 def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens,
-           progress, draft_bytes: int = 0) -> _Setup:
+           progress, draft=None, draft_group_size: int = DEFAULT_GROUP_SIZE) -> _Setup:
     """Everything Engine.load decides before loading a byte: checked flags, config and the plan."""
     dev = resolve_device(device)
     dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -87,20 +92,40 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     if limit > cfg.max_context:
         raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
     opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens)
-    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit, draft_bytes))
+    draft_bytes, draft_folder, draft_cfg = _draft_parts(draft, folder, cfg, dt, draft_group_size, progress)
+    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit, draft_bytes),
+                  draft_folder, draft_cfg)
+
+
+def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtype, group_size: int,
+                 progress: bool) -> tuple[int, Path | None, ModelConfig | None]:
+    """(resident bytes, folder, config) of the draft a --draft value names (see drafts.py)."""
+    if draft is None:
+        return 0, None, None
+    scheme = self_draft_scheme(draft)
+    if scheme is not None:
+        if scheme == "int4":
+            check_group_size(cfg, group_size)
+        return self_draft_bytes(cfg, dtype, scheme, group_size), None, None
+    if str(draft) == "default":
+        folder = default_draft_dir(target_folder, progress)
+    else:
+        folder = Path(draft).expanduser()
+        if not folder.is_dir():
+            raise UserError(f"--draft {draft}: not a checkpoint folder, 'default', "
+                            f"{' or '.join(repr(k) for k in SELF_DRAFTS)}")
+    draft_cfg = load_config(folder)
+    return model_bytes(draft_cfg, dtype), folder, draft_cfg
 
 
 def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
-              ram=None, buffers=None, max_batch_tokens=1024,
-              draft: str | Path | None = None) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
+              ram=None, buffers=None, max_batch_tokens=1024, draft: str | Path | None = None,
+              draft_group_size: int = DEFAULT_GROUP_SIZE) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
     """The placement Engine.load would use, without loading anything (`sequoia-offload plan`).
-    `draft` (a checkpoint folder) is counted as resident on the device in the compute dtype."""
-    draft_bytes = 0
-    if draft is not None:
-        dev = resolve_device(device)
-        draft_bytes = model_bytes(load_config(resolve_target(draft)),
-                                  parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32))
-    s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True, draft_bytes)
+    The draft (a folder, "default", "self-int8" or "self-int4") is counted as resident on the
+    device: a folder in the compute dtype, a self-draft at its quantised size."""
+    s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True, draft,
+               draft_group_size)
     return s.plan, s.folder, s.device, s.dtype
 
 
@@ -139,6 +164,11 @@ class Engine:
         self.model = model
         self.draft = draft
         self.tree = tree
+        self.target_fingerprint: str | None = None
+        self.draft_key: str | None = None
+        # measured vectors of this (target, draft) pair by temperature (acceptance_store); when
+        # present they shape --tree sequoia, the one nearest each generation's temperature
+        self.stored_acceptance: dict = {}
         # stops the loader thread when the engine is closed, collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, model.layers.close)
         self.plan = plan
@@ -162,31 +192,29 @@ class Engine:
              offload: str = "auto", vram: int | str | None = None, ram: int | str | None = None,
              buffers: int | None = None, max_batch_tokens: int = 1024, draft: str | Path | None = None,
              tree: str = "sequoia", tree_budget: int = 64, tree_depth: int = 8, specinfer_width: int = 4,
-             acceptance: AcceptanceVector | None = None, progress: bool = True) -> "Engine":
+             acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
+             progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
         own limit, capped at 8192 tokens. offload/vram/ram/buffers place the target's layers
         (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB"; buffers
-        defaults to 2 on CUDA and 6 on the CPU. With a `draft` checkpoint (same tokenizer), kept
-        resident, generation speculates with a tree of kind `tree` (see `speculative.TREE_KINDS`).
+        defaults to 2 on CUDA and 6 on the CPU. With a `draft` (a checkpoint folder with the same
+        tokenizer, "default" for the embedded pair's distilled draft, or "self-int8"/"self-int4"
+        for a quantised copy of the target, int4 in groups of `draft_group_size`), kept resident,
+        generation speculates with a tree of kind `tree` (see `speculative.TREE_KINDS`).
         """
         spec = _tree_spec(tree, tree_budget, tree_depth, specinfer_width, acceptance)
-        dev = resolve_device(device)
-        draft_folder = resolve_target(draft, progress) if draft is not None else None
-        draft_cfg = load_config(draft_folder) if draft_folder is not None else None
-        dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        draft_bytes = model_bytes(draft_cfg, dt) if draft_cfg is not None else 0
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
-                   max(max_batch_tokens, spec.max_nodes), progress, draft_bytes)
+                   max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size)
         tokenizer = Tokenizer.from_folder(s.folder)
         if tokenizer.vocab_size > s.cfg.vocab_size:
             raise UserError(f"{s.folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                             f"vocab_size is {s.cfg.vocab_size}")
         draft_model = None
-        if draft_folder is not None:
-            _check_same_vocabulary(s.folder, s.cfg, tokenizer, draft_folder, draft_cfg)
-            draft_ckpt = Checkpoint(draft_folder, draft_cfg)
+        if s.draft_folder is not None:
+            _check_same_vocabulary(s.folder, s.cfg, tokenizer, s.draft_folder, s.draft_cfg)
+            draft_ckpt = Checkpoint(s.draft_folder, s.draft_cfg)
             try:
                 draft_ckpt.check()
                 draft_model = Transformer.from_checkpoint(draft_ckpt, s.dtype, s.device)
@@ -196,10 +224,19 @@ class Engine:
         try:
             ckpt.check()  # every tensor present with the right shape, before any allocation
             model = load_target(ckpt, s.dtype, s.device, s.plan, s.opts, progress)
+            scheme = self_draft_scheme(draft)
+            if scheme is not None:
+                draft_model = build_self_draft(ckpt, model, scheme, draft_group_size)
         finally:
             ckpt.close()
-        return cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens, draft_model,
-                   spec if draft_model is not None else TreeSpec())
+        engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens, draft_model,
+                     spec if draft_model is not None else TreeSpec())
+        if draft_model is not None:
+            engine.target_fingerprint = fingerprint(s.folder)
+            engine.draft_key = draft_key(draft, s.draft_folder, draft_group_size)
+            if tree == "sequoia" and acceptance is None:
+                engine.stored_acceptance = stored_vectors(engine.target_fingerprint, engine.draft_key)
+        return engine
 
     def close(self) -> None:
         """Stop the layer loader and release the disk reader (also done when the engine is
@@ -260,6 +297,10 @@ class Engine:
         """One loop for every mode: plain decoding is a one-node tree without a draft."""
         budget = min(max_new_tokens, self.max_context - len(ids))
         spec = self.tree if self.draft is not None else TreeSpec()
+        source = "generic" if spec.acceptance == GENERIC_ACCEPTANCE else "given"
+        if spec.kind == "sequoia" and self.stored_acceptance:
+            vector, path, t = nearest(self.stored_acceptance, params.temperature)
+            spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
         draft = self.draft if spec.kind != "none" else None  # --tree none: the draft sits idle
         decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget)
         stream = TextStream(self.tokenizer.decode, stop)
@@ -286,7 +327,8 @@ class Engine:
                  "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
                  "finish_reason": finish, "tree": spec.kind, "tree_budget": spec.max_nodes, "tree_depth": spec.depth,
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
-                 "acceptance_by_rank": by_rank, **self.model.layers.snapshot().minus(before).as_dict()}
+                 "acceptance_by_rank": by_rank, "acceptance_source": source if spec.kind == "sequoia" else None,
+                 **self.model.layers.snapshot().minus(before).as_dict()}
         return GenerationResult(stream.text, new, finish, stats)
 
     def _emit(self, tokens: list[int], new: list[int], stream: TextStream, budget: int,

@@ -51,14 +51,18 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Rope:
-    cos: torch.Tensor  # [1, 1, S, D]
-    sin: torch.Tensor  # [1, 1, S, D]
+    cos: torch.Tensor  # [1, 1, S, D] or [B, 1, S, D]
+    sin: torch.Tensor
 
     @staticmethod
     def at(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
-        return Rope(emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None])
+        """positions [S] (one sequence) or [B, S] (a batch, each row its own positions)."""
+        freqs = positions.float()[..., None] * inv_freq  # [(B,) S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [(B,) S, D]
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        if positions.dim() == 1:
+            return Rope(cos[None, None], sin[None, None])
+        return Rope(cos[:, None], sin[:, None])
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -67,7 +71,10 @@ class Rope:
 
 
 def _linear(x: torch.Tensor, w: LayerWeights, name: str) -> torch.Tensor:
-    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+    weight = w[name + ".weight"]
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, w.get(name + ".bias"))
+    return weight.linear(x, w.get(name + ".bias"))  # a quantised weight (quant.QuantizedLinear)
 
 
 def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int,
@@ -79,7 +86,8 @@ def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, laye
     v = _linear(x, w, "self_attn.v_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
     q, k = rope.apply(q), rope.apply(k)  # q: [B, H, S, D]; k, v: [B, KVH, S, D]
     keys, values = cache.write(layer, k, v)  # [B, KVH, T, D], T = cached + S
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None],
+    mask = mask[None, None] if mask.dim() == 2 else mask[:, None]  # [S, T] shared, or [B, S, T] per row
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                          enable_gqa=cfg.num_kv_heads != cfg.num_heads)
     out = out.transpose(1, 2).reshape(B, S, cfg.num_heads * cfg.head_dim)  # [B, S, H*D]
     return _linear(out, w, "self_attn.o_proj")

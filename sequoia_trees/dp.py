@@ -30,8 +30,12 @@ def _fill(p: np.ndarray, n: int, d: int):
         best = T.copy()
         sub = np.concatenate([np.full(n, NEG), G[:, l - 1]])  # sub[n + k] = G[k, l-1]
         shifted = sliding_window_view(sub, n + 1)[::-1]  # shifted[y, m] = G[m - y, l-1]
+        # p_b * shifted when p_b = 0: 0 where the subtree exists, -inf where it does not (a plain
+        # product would give NaN there; measured vectors often end in zeros)
+        zero_term = np.where(np.isneginf(shifted), NEG, 0.0)
         for b in range(1, w + 1):
-            cand = T[:, None] + p[b - 1] * shifted  # cand[y, m]: b-1 children in y nodes, child b in m-y
+            # cand[y, m]: b-1 children in y nodes, child b in m-y
+            cand = T[:, None] + (p[b - 1] * shifted if p[b - 1] > 0 else zero_term)
             y = cand.argmax(axis=0)
             T = cand[y, np.arange(n + 1)]
             split[:, l, b] = y

@@ -34,10 +34,12 @@ def brute_force_best(p: tuple[float, ...], n: int, levels: int) -> float:
 def random_vector(seed: int, width: int) -> AcceptanceVector:
     rng = np.random.default_rng(seed)
     p = rng.dirichlet(np.ones(width + 1))[:width] * rng.uniform(0.5, 1.0)
+    if seed >= 6 and width > 1:  # measured vectors often end in zeros (ranks never accepted)
+        p[width // 2:] = 0.0
     return AcceptanceVector(tuple(p))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("width", [1, 2, 3, 5])
 def test_dp_equals_brute_force(seed, width):
     acc = random_vector(seed, width)

@@ -1,0 +1,140 @@
+"""Which draft a `--draft` value names, and building the two kinds that are not plain folders.
+
+  * a checkpoint folder: any Llama-family model with the target's tokenizer, loaded resident;
+  * "self-int8" / "self-int4": the target's own decoder layers quantised (see `quant.py`),
+    resident, sharing the target's embeddings, final norm and head;
+  * "default": the distilled draft of the embedded default target. Its decoder layers and final
+    norm are committed under `benchmarks/drafts/smollm2-135m-instruct/` (with the command that
+    made them); its embeddings are the target's, frozen during distillation, so the first use
+    rebuilds the full folder from the two into the cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .checkpoint import Checkpoint, layer_shapes
+from .config import ModelConfig
+from .errors import UserError
+from .fsutil import remove_stale_temps
+from .model import Transformer
+from .quant import DEFAULT_GROUP_SIZE, QuantizedLinear, quantized_bytes
+
+SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "benchmarks" / "drafts" / "smollm2-135m-instruct"
+LAYERS_FILE = "layers.safetensors"
+EMBED = "model.embed_tokens.weight"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def self_draft_scheme(draft: str | Path | None) -> str | None:
+    return SELF_DRAFTS.get(str(draft)) if draft is not None else None
+
+
+def self_draft_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: str, group_size: int) -> int:
+    """Device bytes of a self-draft: every projection quantised, plus its own copy of the norms."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, shape in layer_shapes(cfg).items():
+        if name.endswith("proj.weight"):
+            total += quantized_bytes(shape[0], shape[1], scheme, group_size, dtype)
+        else:
+            total += shape[0] * elt
+    return cfg.num_layers * total
+
+
+def check_group_size(cfg: ModelConfig, group_size: int) -> None:
+    """Every projection's input width must be a multiple of the int4 group size."""
+    if group_size < 1:
+        raise UserError(f"--draft-group-size must be >= 1, got {group_size}")
+    for name, shape in layer_shapes(cfg).items():
+        if name.endswith("proj.weight") and shape[1] % group_size:
+            raise UserError(f"--draft-group-size {group_size} does not divide the {shape[1]} inputs of {name} "
+                            f"({cfg.hidden_size} hidden, {cfg.intermediate_size} intermediate); try 32 or 64")
+
+
+def build_self_draft(ckpt: Checkpoint, target: Transformer, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
+                     backend: str = "auto") -> Transformer:
+    """Quantise the target's layers one at a time, from the checkpoint's own precision."""
+    cfg = ckpt.config
+    layers = []
+    for i in range(cfg.num_layers):
+        full = ckpt.load_layer(i, torch.float32, "cpu")
+        layer = {}
+        for name, w in full.items():
+            if name.endswith("proj.weight"):
+                layer[name] = QuantizedLinear.from_weight(w, scheme, group_size, target.dtype, target.device, backend)
+            else:
+                layer[name] = w.to(target.device, target.dtype)
+        layers.append(layer)
+    shared = {EMBED: target.embed, "model.norm.weight": target.norm}
+    if not cfg.tie_word_embeddings:
+        shared["lm_head.weight"] = target.lm_head
+    return Transformer(cfg, shared, layers, target.dtype, target.device)
+
+
+# ---- the embedded default pair's distilled draft ------------------------------------------------
+
+def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
+    """The full folder of the default draft, rebuilt once into the cache from the committed layers
+    and the default target's embeddings."""
+    from .default_model import cache_root
+    layers_path = DEFAULT_DRAFT / LAYERS_FILE
+    if not layers_path.exists():
+        raise UserError(f"the default draft's weights are missing ({layers_path}); reinstall the package")
+    meta = json.loads((DEFAULT_DRAFT / "provenance.json").read_text())
+    digest = hashlib.sha256(layers_path.read_bytes()).hexdigest()[:12]
+    root = cache_root() / "drafts"
+    folder = root / f"{DEFAULT_DRAFT.name}-{digest}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(root, f".{DEFAULT_DRAFT.name}-*.tmp-*")
+    tensors = load_file(str(layers_path))
+    dtype = next(iter(tensors.values())).dtype
+    from .config import load_config
+    cfg = load_config(target_folder)
+    ckpt = Checkpoint(target_folder, cfg)
+    try:
+        embed = ckpt.load(EMBED, torch.float32).to(dtype)
+    finally:
+        ckpt.close()
+    if _digest(embed) != meta["embeddings_sha256"]:
+        raise UserError(f"the default draft was distilled for another target: the embeddings of {target_folder} "
+                        "differ from the ones it was trained with")
+    tensors[EMBED] = embed
+    tmp = root / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(DEFAULT_DRAFT / "config.json", tmp / "config.json")
+    for name in TOKENIZER_FILES:
+        if (target_folder / name).exists():
+            shutil.copyfile(target_folder / name, tmp / name)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def pack_default_draft(distilled: Path, dest: Path = DEFAULT_DRAFT) -> None:
+    """Write the committed form of a distilled draft: everything but the (target's) embeddings."""
+    tensors = load_file(str(distilled / "model.safetensors"))
+    embed = tensors.pop(EMBED)
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest / LAYERS_FILE), metadata={"format": "pt"})
+    shutil.copyfile(distilled / "config.json", dest / "config.json")
+    shutil.copyfile(distilled / "distill.json", dest / "distill.json")
+    (dest / "provenance.json").write_text(json.dumps({"embeddings_sha256": _digest(embed)}, indent=2) + "\n")
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,0 +1,148 @@
+"""`distill`: training reduces the KL, `--resume` reproduces an uninterrupted run exactly, an
+interrupted run never leaves a folder that loads as a draft, and the result is a usable draft."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from offload_engine import Engine, UserError
+from offload_engine.cli import main
+from offload_engine.distill import DistillOptions, _load_model, distill, generate_batch, work_dir
+from offload_engine.config import load_config
+from offload_engine.model import Transformer
+from offload_engine.checkpoint import Checkpoint
+from offload_engine.tokenizer import Tokenizer
+from tiny_models import make_tiny_checkpoint
+
+PROMPTS = ["Hello, how are you?", "What is the capital of France?", "Write add(a, b) in Python.",
+           "Count from 1 to 10.", "Tell me about speculative decoding.", "Numbers: 3.14159",
+           "The capital of Italy is", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    target = make_tiny_checkpoint(root / "target", "smollm-tied", layers=3, init_std=0.3, seed=5)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
+    return root, target, prompts
+
+
+def _opts(prompts, **kw):
+    base = dict(layers=1, tokens=1200, gen_tokens=400, max_answer_tokens=24, prompts=str(prompts), batch_size=2,
+                gen_batch=4, val_sequences=3, eval_every=4, save_every=3, lr=3e-3, save_dtype="float32")
+    return DistillOptions(**{**base, **kw})
+
+
+def test_batched_generation_equals_one_at_a_time(setup):
+    """Left padding and the batch cache must not change what the target says (greedy)."""
+    root, target, prompts = setup
+    cfg = load_config(target)
+    model = _load_model(target, cfg, torch.float32, torch.device("cpu"))
+    tok = Tokenizer.from_folder(target)
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
+    assert len({len(i) for i in ids}) > 1  # different lengths: padding is exercised
+    batch = generate_batch(model, ids, 12, [0.0] * 4, set(), torch.Generator())
+    engine = Engine.load(target, progress=False)
+    engine.eos_token_ids = frozenset()
+    for prompt, got in zip(ids, batch):
+        assert got == engine.generate(input_ids=prompt, max_new_tokens=12).token_ids
+
+
+def test_training_reduces_kl_and_writes_a_loadable_draft(setup, tmp_path):
+    root, target, prompts = setup
+    out = distill(target, tmp_path / "draft", _opts(prompts), progress=False)
+    report = json.loads((out / "distill.json").read_text())
+    curve = report["learning_curve"]
+    assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] >= 1200
+    # the training loss falls by half between the first and the last evaluation interval, and the
+    # held-out KL falls too (less: 4 held-out answers of a random model are hard to generalise to)
+    assert curve[-1]["train_kl"] < 0.5 * curve[1]["train_kl"]
+    assert curve[-1]["kl"] < curve[0]["kl"]
+    assert not work_dir(out).exists()
+    cfg = load_config(out)
+    assert cfg.num_layers == 1 and cfg.vocab_size == load_config(target).vocab_size
+    # the embeddings stayed the target's (frozen); the layer moved away from its copy of layer 0
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(target / "model.safetensors"))
+    assert torch.equal(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
+    assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], want["model.layers.0.mlp.up_proj.weight"])
+    # usable as a draft: greedy speculation still gives exactly the target's tokens
+    plain = Engine.load(target, progress=False)
+    spec = Engine.load(target, draft=out, tree_budget=16, tree_depth=4, progress=False)
+    for e in (plain, spec):
+        e.eos_token_ids = frozenset()
+    assert spec.generate("Hello", max_new_tokens=24).token_ids == plain.generate("Hello", max_new_tokens=24).token_ids
+
+
+def test_resume_gives_the_uninterrupted_result(setup, tmp_path):
+    root, target, prompts = setup
+    full = distill(target, tmp_path / "full", _opts(prompts), progress=False)
+    part = tmp_path / "part"
+    assert distill(target, part, _opts(prompts), progress=False, stop_after_steps=5) is None
+    # interrupted: nothing at --out, and the work folder does not load as a draft
+    assert not part.exists() and work_dir(part).exists()
+    with pytest.raises(UserError):
+        Engine.load(target, draft=work_dir(part), progress=False)
+    with pytest.raises(UserError, match="--resume"):
+        distill(target, part, _opts(prompts), progress=False)
+    # resuming ignores new options: the run's own are kept
+    done = distill(target, part, _opts(prompts, lr=1.0), resume=True, progress=False)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(done / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ra, rb = (json.loads((p / "distill.json").read_text()) for p in (full, done))
+    assert ra["learning_curve"] == rb["learning_curve"]
+
+
+def test_resume_during_generation(setup, tmp_path, monkeypatch):
+    """An interruption while the target is still answering keeps the answers written so far."""
+    import offload_engine.distill as d
+    root, target, prompts = setup
+    calls = {"n": 0}
+    real = d.generate_batch
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(d, "generate_batch", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, tmp_path / "g", _opts(prompts), progress=False)
+    saved = json.loads((work_dir(tmp_path / "g") / "data.json").read_text())
+    assert saved["next_prompt"] == 4 and not saved["done"] and not (tmp_path / "g").exists()
+    monkeypatch.setattr(d, "generate_batch", real)
+    resumed = distill(target, tmp_path / "g", _opts(prompts), resume=True, progress=False)
+    straight = distill(target, tmp_path / "h", _opts(prompts), progress=False)
+    a, b = load_file(str(resumed / "model.safetensors")), load_file(str(straight / "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_cli_refusals(setup, tmp_path, capsys):
+    root, target, prompts = setup
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "busy")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "new"), "--resume"]) == 2
+    assert "no interrupted run" in capsys.readouterr().err
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "n2"), "--init-layers", "0,x"]) == 2
+    assert "--init-layers" in capsys.readouterr().err
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "n3"), "--layers", "2",
+                 "--init-layers", "0,7", "--prompts", str(prompts), "--tokens", "10"]) == 2
+    assert "--init-layers 0,7" in capsys.readouterr().err
+
+
+def test_smaller_hidden_size_trains_everything(setup, tmp_path):
+    root, target, prompts = setup
+    out = distill(target, tmp_path / "narrow", _opts(prompts, hidden=32, tokens=300, eval_every=100), progress=False)
+    cfg = load_config(out)
+    assert cfg.hidden_size == 32 and cfg.head_dim == load_config(target).head_dim
+    ckpt = Checkpoint(out, cfg)
+    ckpt.check()
+    Transformer.from_checkpoint(ckpt, torch.float32)
+    ckpt.close()

@@ -1,0 +1,141 @@
+"""The self-draft (`--draft self-int8` / `self-int4`): quantisation within its documented bounds,
+the packed kernels against the dequantised reference, logits close to the target's, greedy
+speculation exactly plain greedy, and its bytes in the placement plan."""
+
+import pytest
+import torch
+
+from offload_engine import Engine, UserError
+from offload_engine.checkpoint import Checkpoint
+from offload_engine.config import load_config
+from offload_engine.drafts import build_self_draft, self_draft_bytes
+from offload_engine.model import Transformer
+from offload_engine.quant import (
+    QuantizedLinear, _pack_nibbles, _unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
+)
+from tiny_models import make_tiny_checkpoint
+
+PROMPT = "The capital of France is"
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g)
+    w[3, 17] = 40.0  # an outlier: its row (int8) and group (int4) get a coarse grid, others do not
+    w[5] *= 1e-4  # a nearly-zero row
+    return w
+
+
+def test_int8_error_within_bound():
+    w = _weights()
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    err = (q.float() * scale[:, None] - w).abs()
+    # the bound |w - q s| <= s/2 = max|row|/254, up to float32 rounding of the product
+    assert bool((err <= error_bound(w, "int8") * (1 + 1e-5) + 1e-7).all())
+    assert float((err / error_bound(w, "int8")).max()) > 0.5  # the bound is tight, not vacuous
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_error_within_bound(group):
+    w = _weights()
+    q, scale, lo = quantize_int4(w, group)
+    assert int(q.max()) <= 15
+    deq = (q.float().reshape(96, -1, group) * scale[..., None] + lo[..., None]).reshape(96, 256)
+    err = (deq - w).abs()
+    assert bool((err <= error_bound(w, "int4", group) * (1 + 1e-5) + 1e-7).all())
+    assert float((err / error_bound(w, "int4", group)).max()) > 0.5
+    ql = QuantizedLinear.from_weight(w, "int4", group, backend="dequant")
+    assert torch.equal(ql.dequantize(), deq)  # the stored nibbles dequantise to the same matrix
+
+
+def test_nibbles_round_trip():
+    q = torch.randint(0, 16, (8, 32), dtype=torch.uint8)
+    assert torch.equal(_unpack_nibbles(_pack_nibbles(q)), q)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_packed_kernel_matches_the_dequantised_matmul(scheme):
+    """torch 2.13's CPU build has both packed kernels: they must be chosen, and agree with the
+    dense matmul of the dequantised matrix to bfloat16 precision (2e-2 of the output's scale)."""
+    w = _weights()
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    kernel = QuantizedLinear.from_weight(w, scheme, 64, backend="kernel")
+    dequant = QuantizedLinear.from_weight(w, scheme, 64, backend="dequant")
+    assert kernel.backend == "kernel" and dequant.backend == "dequant"
+    want = x @ dequant.dequantize().T
+    got = kernel.linear(x)
+    assert got.dtype == torch.float32 and got.shape == (7, 96)
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    assert kernel.nbytes() <= quantized_bytes(96, 256, scheme, 64, torch.float32)
+
+
+def test_group_size_must_divide_inputs():
+    with pytest.raises(ValueError, match="does not divide"):
+        QuantizedLinear.from_weight(torch.randn(8, 96), "int4", 64)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("selfdraft") / "t", "llama3-gqa", layers=3, seed=3,
+                                init_std=0.05)
+
+
+# Relative L2 error of the self-draft's logits against the target's, over a 24-token prompt of
+# a tiny random model (init std 0.05, int4 groups of 32). Measured over 3 prompts, both backends:
+# int8 0.013-0.022, int4 0.18-0.26 (a random model has no outlier structure to hide the grid in).
+# Thresholds about 2x the worst.
+LOGIT_TOLERANCE = {"int8": 0.05, "int4": 0.5}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("backend", ["kernel", "dequant"])
+def test_self_draft_logits_close_to_the_target(target, scheme, backend):
+    cfg = load_config(target)
+    ckpt = Checkpoint(target, cfg)
+    model = Transformer.from_checkpoint(ckpt, torch.float32)
+    draft = build_self_draft(ckpt, model, scheme, 32, backend)
+    ckpt.close()
+    assert draft.embed is model.embed and draft.lm_head is model.lm_head  # shared, not copied
+    ids = torch.randint(3, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)
+    want = model.forward(ids, pos, model.new_cache(24))
+    got = draft.forward(ids, pos, draft.new_cache(24))
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < LOGIT_TOLERANCE[scheme]
+
+
+@pytest.mark.parametrize("draft", ["self-int8", "self-int4"])
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_greedy_with_self_draft_equals_plain_greedy(target, tmp_path, monkeypatch, draft, offload):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    plain = Engine.load(target, progress=False)
+    plain.eos_token_ids = frozenset()
+    want = plain.generate(PROMPT, max_new_tokens=40).token_ids
+    engine = Engine.load(target, draft=draft, draft_group_size=32, offload=offload, tree_budget=24, tree_depth=6,
+                         progress=False)
+    engine.eos_token_ids = frozenset()
+    try:
+        result = engine.generate(PROMPT, max_new_tokens=40)
+    finally:
+        engine.close()
+    assert result.token_ids == want
+    assert result.stats["tokens_per_step"] > 1.5  # a close copy of the target: most levels accepted
+    cfg = load_config(target)
+    assert engine.plan.fixed_bytes["draft"] == self_draft_bytes(cfg, torch.float32, draft[-4:], 32)
+
+
+def test_self_draft_bytes_in_the_plan_and_bad_group_refused(target):
+    from offload_engine.engine import plan_only
+    plan8, *_ = plan_only(target, device="cpu", draft="self-int8", offload="disk")
+    plan4, *_ = plan_only(target, device="cpu", draft="self-int4", draft_group_size=32, offload="disk")
+    cfg = load_config(target)
+    from offload_engine.checkpoint import layer_shapes
+    fp32_layers = 3 * 4 * sum(torch.Size(s).numel() for s in layer_shapes(cfg).values())
+    assert plan8.fixed_bytes["draft"] == self_draft_bytes(cfg, torch.float32, "int8", 32)
+    assert 0.25 < plan8.fixed_bytes["draft"] / fp32_layers < 0.30  # 1 byte per weight, scales and norms
+    assert plan4.fixed_bytes["draft"] < plan8.fixed_bytes["draft"]  # 4 bits per weight plus group scales
+    with pytest.raises(UserError, match="--draft-group-size 48 does not divide the 64 inputs"):
+        plan_only(target, device="cpu", draft="self-int4", draft_group_size=48)
+    with pytest.raises(UserError, match="not a checkpoint folder"):
+        plan_only(target, device="cpu", draft="self-int3")
