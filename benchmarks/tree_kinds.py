@@ -1,11 +1,11 @@
 """Tokens per step of each tree kind at the same budget, on the embedded default target.
 
-    python benchmarks/tree_kinds.py [--budget 32] [--depth 6] [--bits 4] [--prompts N] [--json out.json]
+    python benchmarks/tree_kinds.py [--budget 32] [--depth 6] [--draft self-int4] [--prompts N] [--json out.json]
 
-Until distilled drafts exist (issue 5), the draft is the target with its linear weights rounded
-to a `--bits`-bit group-wise grid (group 32), held in fp32: a stand-in for a low-bit self-draft
-whose acceptance is high but not perfect. Both run resident; tokens per step does not depend on
-where the target's layers live.
+The draft is `--draft` (default self-int4: the target's layers quantised to 4 bits, whose
+acceptance is high but not perfect). Both run resident; tokens per step does not depend on where
+the target's layers live. Every tree kind gets the same generic acceptance vector for Sequoia's
+shape (`--acceptance` to give a measured one), so that the comparison is of tree kinds alone.
 """
 
 from __future__ import annotations
@@ -19,24 +19,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def fake_quantise_(model, bits: int, group: int = 32) -> None:
-    """Round every projection weight in place to a symmetric `bits`-bit grid per group of `group`."""
-    import torch
-    levels = 2 ** (bits - 1) - 1
-    for layer in model.layers:
-        for name, w in layer.items():
-            if name.endswith("proj.weight"):
-                g = w.view(-1, group)
-                scale = g.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / levels
-                g.copy_(torch.round(g / scale).clamp(-levels, levels) * scale)
-
-
 def main(argv: list[str] | None = None) -> int:
     from offload_engine import Engine
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budget", type=int, default=32)
     p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--draft", default="self-int4")
+    p.add_argument("--acceptance", default=None, help="acceptance vector JSON shaping the sequoia tree")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", default=None)
@@ -45,13 +34,17 @@ def main(argv: list[str] | None = None) -> int:
                (Path(__file__).parent / "prompts.jsonl").read_text().splitlines()[: args.prompts]]
     kinds = {"sequoia": {}, "specexec": {}, "chain": {"tree_depth": args.budget},  # a chain of `budget` nodes
              "specinfer": {"specinfer_width": max(1, (args.budget - 1) // (args.depth - 1))}}
+    acceptance = None
+    if args.acceptance:
+        from sequoia_trees.acceptance import AcceptanceVector
+        acceptance = AcceptanceVector.from_json(Path(args.acceptance).read_text())
     rows = []
     for temperature in (0.0, 0.6):
         for kind, extra in kinds.items():
             kw = {"tree_budget": args.budget, "tree_depth": args.depth, **extra}  # extra overrides
-            engine = Engine.load("default", device="cpu", offload="none", draft="default", tree=kind, progress=False,
-                                 **kw)
-            fake_quantise_(engine.draft, args.bits)
+            engine = Engine.load("default", device="cpu", offload="none", draft=args.draft, tree=kind,
+                                 acceptance=acceptance, progress=False, **kw)
+            engine.stored_acceptance = {}  # the same vector for every run, stored or not
             new, steps = 0, 0
             for i, messages in enumerate(prompts):
                 s = engine.generate(messages=messages, max_new_tokens=args.max_new_tokens, temperature=temperature,
@@ -68,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['temperature']} | {r['tree']} | {r['nodes']} | {r['depth']} | {r['tokens_per_step']:.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"bits": args.bits, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"draft": args.draft, "rows": rows}, indent=2))
     return 0
 
 

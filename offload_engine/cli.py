@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--device", default="cpu", help="cpu or cuda")
+    dist.add_argument("--offload", default="auto", choices=("auto", "none", "ram", "disk"),
+                      help="where the target's layers live while it teaches (as for generate): a target "
+                           "larger than the device streams, one pass per batch")
+    dist.add_argument("--vram", default=None, help="device memory budget for the target")
+    dist.add_argument("--ram", default=None, help="RAM budget for the target's streamed layers")
     dist.add_argument("--resume", action="store_true", help="continue the interrupted run in <out>.partial")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
@@ -293,7 +298,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise UserError(f"--init-layers {args.init_layers!r}: give comma-separated layer numbers") from None
     opts = DistillOptions(layers=args.layers, hidden=args.hidden, tokens=args.tokens, gen_tokens=args.gen_tokens,
                           prompts=args.prompts, data=args.data, init_layers=init, lr=args.lr,
-                          batch_size=args.batch_size, seed=args.seed, device=args.device)
+                          batch_size=args.batch_size, seed=args.seed, device=args.device, offload=args.offload,
+                          vram=args.vram, ram=args.ram)
     out = distill(args.target, args.out, opts, resume=args.resume)
     report = json.loads((out / "distill.json").read_text())
     print(f"{out}: {report['tokens_seen']} training positions in {report['seconds'] / 60:.1f} min; held-out "

@@ -69,6 +69,9 @@ class DistillOptions:
     save_every: int = 25  # steps
     save_dtype: str = "bfloat16"
     device: str = "cpu"
+    offload: str = "auto"  # where the teacher's layers live (the engine's placement flags)
+    vram: str | None = None
+    ram: str | None = None
 
 
 @dataclass
@@ -124,11 +127,13 @@ def batch_hidden(cfg: ModelConfig, embed: torch.Tensor, norm: torch.Tensor, laye
 class _Model:
     """Weights of a model as plain tensors: embeddings (tied or separate head), norm, layers."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], layers=None):
         self.cfg = cfg
         self.tensors = tensors
-        self.layers = [{k[len(f"model.layers.{i}."):]: v for k, v in tensors.items()
-                        if k.startswith(f"model.layers.{i}.")} for i in range(cfg.num_layers)]
+        # any re-iterable of per-layer weights: a list, or the target's LayerExecutor when it streams
+        self.layers = layers if layers is not None else [
+            {k[len(f"model.layers.{i}."):]: v for k, v in tensors.items() if k.startswith(f"model.layers.{i}.")}
+            for i in range(cfg.num_layers)]
 
     @property
     def head(self) -> torch.Tensor:
@@ -139,15 +144,18 @@ class _Model:
                             positions, mask, cache)
 
 
-def _load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> _Model:
-    ckpt = Checkpoint(folder, cfg)
-    try:
-        ckpt.check()
-        names = [EMBED, "model.norm.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
-        names += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer_shapes(cfg)]
-        return _Model(cfg, {n: ckpt.load(n, dtype, device) for n in names})
-    finally:
-        ckpt.close()
+def load_teacher(target_dir: Path, opts: "DistillOptions", progress: bool = True):
+    """The target as the engine places it (`--offload`, `--vram`, `--ram`): resident when it fits,
+    else its layers stream, so a target larger than the device can still teach (each batch is
+    one streamed pass). Returns (model, engine); keep the engine open while the model is used."""
+    from .engine import Engine
+    engine = Engine.load(target_dir, device=opts.device, offload=opts.offload, vram=opts.vram, ram=opts.ram,
+                         progress=progress)
+    m = engine.model
+    tensors = {EMBED: m.embed, "model.norm.weight": m.norm}
+    if not m.cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = m.lm_head
+    return _Model(m.cfg, tensors, m.layers), engine
 
 
 # ---- 1. on-policy text ---------------------------------------------------------------------------
@@ -243,24 +251,28 @@ def student_config(raw: dict, cfg: ModelConfig, layers: int, hidden: int | None)
     return out
 
 
-def init_student(target: _Model, cfg: ModelConfig, init_layers: tuple[int, ...] | None,
+def init_student(target: _Model, target_dir: Path, cfg: ModelConfig, init_layers: tuple[int, ...] | None,
                  generator: torch.Generator) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Initial fp32 weights and the names that train."""
     t = target.cfg
     same = cfg.hidden_size == t.hidden_size
     tensors: dict[str, torch.Tensor] = {}
+    dev = target.tensors[EMBED].device
     if same:
         picks = init_layers or tuple(range(cfg.num_layers))
-        for n, src in enumerate(picks):
-            for name, w in target.layers[src].items():
-                tensors[f"model.layers.{n}.{name}"] = w.detach().float().clone()
+        ckpt = Checkpoint(target_dir, t)
+        try:
+            for n, src in enumerate(picks):  # from the checkpoint: a streamed target is not indexable
+                for name, w in ckpt.load_layer(src, torch.float32, dev).items():
+                    tensors[f"model.layers.{n}.{name}"] = w
+        finally:
+            ckpt.close()
         tensors[EMBED] = target.tensors[EMBED].detach().float().clone()
         tensors["model.norm.weight"] = target.tensors["model.norm.weight"].detach().float().clone()
         if not cfg.tie_word_embeddings:
             tensors["lm_head.weight"] = target.tensors["lm_head.weight"].detach().float().clone()
         frozen = {EMBED, "lm_head.weight"}
     else:
-        dev = target.tensors[EMBED].device
         for n in range(cfg.num_layers):
             for name, shape in layer_shapes(cfg).items():
                 if len(shape) == 1:
@@ -381,16 +393,22 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
         saved = json.loads(opts_path.read_text())
         if saved["target"] != str(target_dir):
             raise UserError(f"--resume: the interrupted run distils {saved['target']}, not {target_dir}")
+        placement = {"device": opts.device, "offload": opts.offload, "vram": opts.vram, "ram": opts.ram}
         opts = DistillOptions(**{**saved["options"], "init_layers": tuple(saved["options"]["init_layers"])
-                                 if saved["options"]["init_layers"] else None, "device": opts.device})
+                                 if saved["options"]["init_layers"] else None, **placement})
     else:
         _atomic_json(opts_path, {"target": str(target_dir), "options": asdict(opts)})
 
-    compute_dtype = torch.float32
-    target = _load_model(target_dir, tcfg, compute_dtype, dev)
-    for w in target.tensors.values():
-        w.requires_grad_(False)
+    target, engine = load_teacher(target_dir, opts, progress)
+    try:
+        return _run(target, target_dir, tcfg, raw, tokenizer, opts, out, work, dev, progress, stop_after_steps)
+    finally:
+        engine.close()
 
+
+def _run(target: _Model, target_dir: Path, tcfg: ModelConfig, raw: dict, tokenizer: Tokenizer,
+         opts: DistillOptions, out: Path, work: Path, dev: torch.device, progress: bool,
+         stop_after_steps: int | None) -> Path | None:
     records = _on_policy_text(target, tokenizer, tcfg, opts, work, dev, progress)
     if opts.data:
         records = records + _text_windows(Path(opts.data), tokenizer, 256)
@@ -402,13 +420,13 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
     scfg_raw = student_config(raw, tcfg, opts.layers, opts.hidden)
     scfg = _config_from_raw(scfg_raw, work)
     g = torch.Generator().manual_seed(opts.seed)
-    tensors, trainable = init_student(target, scfg, opts.init_layers, g)
+    tensors, trainable = init_student(target, target_dir, scfg, opts.init_layers, g)
     for n, w in tensors.items():
         w.requires_grad_(n in trainable)
     params = [tensors[n] for n in sorted(trainable)]
     optim = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = Progress()
-    if resume and (work / "state.json").exists():
+    if (work / "state.json").exists():  # a resumed run (a fresh one starts without a work folder)
         state = _load_state(work, tensors, sorted(trainable), optim)
     student = _Model(scfg, tensors)
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from offload_engine import Engine, UserError
 from offload_engine.cli import main
-from offload_engine.distill import DistillOptions, _load_model, distill, generate_batch, work_dir
+from offload_engine.distill import DistillOptions, distill, generate_batch, load_teacher, work_dir
 from offload_engine.config import load_config
 from offload_engine.model import Transformer
 from offload_engine.checkpoint import Checkpoint
@@ -39,8 +39,7 @@ def _opts(prompts, **kw):
 def test_batched_generation_equals_one_at_a_time(setup):
     """Left padding and the batch cache must not change what the target says (greedy)."""
     root, target, prompts = setup
-    cfg = load_config(target)
-    model = _load_model(target, cfg, torch.float32, torch.device("cpu"))
+    model, teacher_engine = load_teacher(target, DistillOptions(offload="none"), progress=False)
     tok = Tokenizer.from_folder(target)
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
     assert len({len(i) for i in ids}) > 1  # different lengths: padding is exercised
@@ -97,6 +96,18 @@ def test_resume_gives_the_uninterrupted_result(setup, tmp_path):
     assert ra["learning_curve"] == rb["learning_curve"]
 
 
+def test_streamed_teacher_gives_the_same_draft(setup, tmp_path, monkeypatch):
+    """A target too big for the device teaches with its layers streamed from disk: same draft,
+    bit for bit (streamed passes equal resident ones)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root, target, prompts = setup
+    opts = dict(tokens=300, gen_tokens=100, eval_every=100)
+    a = distill(target, tmp_path / "resident", _opts(prompts, offload="none", **opts), progress=False)
+    b = distill(target, tmp_path / "streamed", _opts(prompts, offload="disk", **opts), progress=False)
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
 def test_resume_during_generation(setup, tmp_path, monkeypatch):
     """An interruption while the target is still answering keeps the answers written so far."""
     import offload_engine.distill as d
@@ -146,3 +157,29 @@ def test_smaller_hidden_size_trains_everything(setup, tmp_path):
     ckpt.check()
     Transformer.from_checkpoint(ckpt, torch.float32)
     ckpt.close()
+
+
+def test_default_draft_rebuilt_from_committed_layers(setup, tmp_path, monkeypatch):
+    """The committed form (layers without the target's embeddings) rebuilds the exact distilled
+    folder, refuses another target, and loads as --draft default."""
+    import offload_engine.drafts as drafts
+    root, target, prompts = setup
+    out = distill(target, tmp_path / "d", _opts(prompts, tokens=200, save_dtype="bfloat16"), progress=False)
+    packed = tmp_path / "committed"
+    drafts.pack_default_draft(out, packed)
+    assert "model.embed_tokens.weight" not in load_file(str(packed / drafts.LAYERS_FILE))
+    monkeypatch.setattr(drafts, "DEFAULT_DRAFT", packed)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rebuilt = drafts.default_draft_dir(target, progress=False)
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(rebuilt / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert drafts.default_draft_dir(target, progress=False) == rebuilt  # built once
+    other = make_tiny_checkpoint(tmp_path / "other", "smollm-tied", layers=3, init_std=0.3, seed=6)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache2"))
+    with pytest.raises(UserError, match="distilled for another target"):
+        drafts.default_draft_dir(other, progress=False)
+    plain = Engine.load(target, progress=False)
+    spec = Engine.load(target, draft="default", tree_budget=8, tree_depth=4, progress=False)
+    for e in (plain, spec):
+        e.eos_token_ids = frozenset()
+    assert spec.generate("Hi", max_new_tokens=16).token_ids == plain.generate("Hi", max_new_tokens=16).token_ids
