@@ -302,8 +302,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
                           vram=args.vram, ram=args.ram)
     out = distill(args.target, args.out, opts, resume=args.resume)
     report = json.loads((out / "distill.json").read_text())
+    agree = report["final_agreement"]
     print(f"{out}: {report['tokens_seen']} training positions in {report['seconds'] / 60:.1f} min; held-out "
-          f"top-1 agreement {report['final_agreement']:.3f}")
+          f"top-1 agreement {'-' if agree is None else f'{agree:.3f}'}")
     return 0
 
 

@@ -26,10 +26,13 @@ Weights are read from safetensors only and written as safetensors; state files a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +45,7 @@ from tqdm import tqdm
 from .checkpoint import Checkpoint, layer_shapes
 from .config import ModelConfig, load_config, parse_dtype, read_json_object
 from .errors import UserError
+from .fsutil import remove_stale_temps
 from .model import Rope, decoder_layer, rms_norm, rope_inv_freq
 from .tokenizer import Tokenizer
 
@@ -144,12 +148,36 @@ class _Model:
                             positions, mask, cache)
 
 
-def load_teacher(target_dir: Path, opts: "DistillOptions", progress: bool = True):
+def _training_bytes(t: ModelConfig, student_raw: dict, opts: "DistillOptions") -> int:
+    """Device bytes training needs besides the teacher (an estimate erring high): the student in
+    fp32 with gradients and two Adam moments, the generation batch's KV cache, and the fp32
+    logits of a step (teacher log-probs, student logits, their softmax and gradients)."""
+    h = student_raw.get("hidden_size", t.hidden_size)
+    f = student_raw.get("intermediate_size", t.intermediate_size)
+    kvh = student_raw.get("num_key_value_heads", t.num_kv_heads)
+    per_layer = 2 * h * h + 2 * h * kvh * t.head_dim + 3 * h * f
+    params = opts.layers * per_layer + t.vocab_size * h
+    positions = opts.batch_size * (opts.max_answer_tokens + 256)  # answers plus their prompts
+    kv = 2 * t.num_layers * opts.gen_batch * t.num_kv_heads * t.head_dim * (opts.max_answer_tokens + 512) * 4
+    return 16 * params + kv + 5 * positions * t.vocab_size * 4
+
+
+def load_teacher(target_dir: Path, opts: "DistillOptions", progress: bool = True, reserve_bytes: int = 0):
     """The target as the engine places it (`--offload`, `--vram`, `--ram`): resident when it fits,
     else its layers stream, so a target larger than the device can still teach (each batch is
-    one streamed pass). Returns (model, engine); keep the engine open while the model is used."""
-    from .engine import Engine
-    engine = Engine.load(target_dir, device=opts.device, offload=opts.offload, vram=opts.vram, ram=opts.ram,
+    one streamed pass). `reserve_bytes` of the device budget are left for training. Returns
+    (model, engine); keep the engine open while the model is used."""
+    from .engine import Engine, resolve_device
+    from .placement import default_budgets, fmt_bytes, parse_size
+    vram = opts.vram
+    if reserve_bytes:
+        budget = parse_size(vram) if vram is not None else default_budgets(resolve_device(opts.device))[0]
+        if budget <= reserve_bytes:
+            raise UserError(f"training needs about {fmt_bytes(reserve_bytes)} on {opts.device} besides the "
+                            f"target, more than the {fmt_bytes(budget)} available (--vram); lower --batch-size "
+                            "or use a smaller --hidden/--layers")
+        vram = budget - reserve_bytes
+    engine = Engine.load(target_dir, device=opts.device, offload=opts.offload, vram=vram, ram=opts.ram,
                          progress=progress)
     m = engine.model
     tensors = {EMBED: m.embed, "model.norm.weight": m.norm}
@@ -222,13 +250,18 @@ def _text_windows(path: Path, tokenizer: Tokenizer, window: int) -> list[dict]:
 
 def _atomic_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def _atomic_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -377,8 +410,6 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
         raise UserError(f"--resume: no interrupted run at {work}")
     if opts.layers < 1:
         raise UserError(f"--layers must be >= 1, got {opts.layers}")
-    if opts.tokens < 1:
-        raise UserError(f"--tokens must be >= 1, got {opts.tokens}")
     dev = torch.device(opts.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available")
@@ -386,21 +417,25 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
     tcfg = load_config(target_dir)
     raw = read_json_object(target_dir / "config.json")
     tokenizer = Tokenizer.from_folder(target_dir)
-    _check_init_layers(opts, tcfg)
-    work.mkdir(parents=True, exist_ok=True)
     opts_path = work / "options.json"
     if resume:
-        saved = json.loads(opts_path.read_text())
+        try:
+            saved = json.loads(opts_path.read_text())
+            placement = {"device": opts.device, "offload": opts.offload, "vram": opts.vram, "ram": opts.ram}
+            opts = DistillOptions(**{**saved["options"], "init_layers": tuple(saved["options"]["init_layers"])
+                                     if saved["options"]["init_layers"] else None, **placement})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--resume: {opts_path} is missing or damaged ({e}); delete {work} and start "
+                            "again") from None
         if saved["target"] != str(target_dir):
             raise UserError(f"--resume: the interrupted run distils {saved['target']}, not {target_dir}")
-        placement = {"device": opts.device, "offload": opts.offload, "vram": opts.vram, "ram": opts.ram}
-        opts = DistillOptions(**{**saved["options"], "init_layers": tuple(saved["options"]["init_layers"])
-                                 if saved["options"]["init_layers"] else None, **placement})
-    else:
-        _atomic_json(opts_path, {"target": str(target_dir), "options": asdict(opts)})
-
-    target, engine = load_teacher(target_dir, opts, progress)
+    _check_options(opts, tcfg)
+    scfg_raw = student_config(raw, tcfg, opts.layers, opts.hidden)
+    target, engine = load_teacher(target_dir, opts, progress, _training_bytes(tcfg, scfg_raw, opts))
     try:
+        if not resume:  # the work folder appears only once the teacher is in place
+            work.mkdir(parents=True, exist_ok=True)
+            _atomic_json(opts_path, {"target": str(target_dir), "options": asdict(opts)})
         return _run(target, target_dir, tcfg, raw, tokenizer, opts, out, work, dev, progress, stop_after_steps)
     finally:
         engine.close()
@@ -426,7 +461,7 @@ def _run(target: _Model, target_dir: Path, tcfg: ModelConfig, raw: dict, tokeniz
     params = [tensors[n] for n in sorted(trainable)]
     optim = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = Progress()
-    if (work / "state.json").exists():  # a resumed run (a fresh one starts without a work folder)
+    if (work / "state.safetensors").exists():  # a resumed run (a fresh one starts without a work folder)
         state = _load_state(work, tensors, sorted(trainable), optim)
     student = _Model(scfg, tensors)
 
@@ -438,7 +473,7 @@ def _run(target: _Model, target_dir: Path, tcfg: ModelConfig, raw: dict, tokeniz
     if not state.curve and val:
         kl, last_agree = evaluate(target, student, val, dev, opts.batch_size)
         state.curve.append({"tokens": 0, "step": 0, "kl": kl, "agreement": last_agree})
-    try:
+    with _deferred_interrupt() as interrupted:
         while state.tokens_seen < opts.tokens:
             batches_per_epoch = len(_epoch_batches(len(train), opts.batch_size, opts.seed, 0, lengths))
             epoch, k = divmod(state.step, batches_per_epoch)
@@ -463,23 +498,40 @@ def _run(target: _Model, target_dir: Path, tcfg: ModelConfig, raw: dict, tokeniz
                                     "train_kl": state.interval_loss / max(state.interval_positions, 1)})
                 state.interval_loss, state.interval_positions = 0.0, 0
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", agree=f"{last_agree:.3f}")
-            if state.step % opts.save_every == 0 or state.tokens_seen >= opts.tokens:
+            stop = interrupted() or (stop_after_steps is not None and state.step >= stop_after_steps)
+            if state.step % opts.save_every == 0 or state.tokens_seen >= opts.tokens or stop:
                 state.seconds = time.perf_counter() - started
-                _save_state(work, tensors, sorted(trainable), optim, state)
-            if stop_after_steps is not None and state.step >= stop_after_steps and state.tokens_seen < opts.tokens:
-                state.seconds = time.perf_counter() - started
-                _save_state(work, tensors, sorted(trainable), optim, state)
+                _save_state(work, tensors, sorted(trainable), optim, state)  # at a step boundary only
+            if stop and state.tokens_seen < opts.tokens:
+                bar.close()
+                if interrupted():
+                    raise KeyboardInterrupt
                 return None
-    except KeyboardInterrupt:
-        state.seconds = time.perf_counter() - started
-        _save_state(work, tensors, sorted(trainable), optim, state)
-        bar.close()
-        raise
     bar.close()
     return _finish(out, work, target_dir, scfg_raw, tensors, opts, state, len(train), len(val))
 
 
-def _check_init_layers(opts: DistillOptions, t: ModelConfig) -> None:
+@contextlib.contextmanager
+def _deferred_interrupt():
+    """Ctrl-C during a training step is noted and acted on at the step's end (after its save), so
+    a save never holds half a step. Yields a callable: was Ctrl-C pressed? (In a thread other than
+    the main one, signals cannot be caught: Ctrl-C then interrupts at once, between saves.)"""
+    hit = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: hit.append(True))
+    try:
+        yield lambda: bool(hit)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _check_options(opts: DistillOptions, t: ModelConfig) -> None:
+    for name, value in (("--layers", opts.layers), ("--tokens", opts.tokens), ("--batch-size", opts.batch_size),
+                        ("--hidden", opts.hidden if opts.hidden is not None else 1), ("--lr", opts.lr)):
+        if not value > 0:
+            raise UserError(f"{name} must be > 0, got {value}")
     picks = opts.init_layers
     if picks is None:
         if (opts.hidden is None or opts.hidden == t.hidden_size) and opts.layers > t.num_layers:
@@ -533,7 +585,7 @@ def _on_policy_text(target: _Model, tokenizer: Tokenizer, cfg: ModelConfig, opts
     # the held-out sequences: every k-th one, never trained on
     n = len(data["records"])
     if n >= 4 and opts.val_sequences:
-        step = max(2, n // opts.val_sequences)
+        step = max(2, n // opts.val_sequences) | 1  # odd: greedy and sampled answers alternate, hold out both
         for i, r in enumerate(data["records"]):
             r["val"] = i % step == step - 1
     data["done"] = True
@@ -542,6 +594,8 @@ def _on_policy_text(target: _Model, tokenizer: Tokenizer, cfg: ModelConfig, opts
 
 
 def _save_state(work: Path, tensors: dict, names: list[str], optim: torch.optim.Optimizer, state: Progress) -> None:
+    """Weights, Adam moments and progress in one file, replaced in one rename: a kill at any
+    moment leaves either the previous save or this one, never a mix."""
     out = {f"param/{n}": tensors[n] for n in names}
     steps = {}
     for n, p in zip(names, (tensors[n] for n in names)):
@@ -550,13 +604,16 @@ def _save_state(work: Path, tensors: dict, names: list[str], optim: torch.optim.
             out[f"exp_avg/{n}"] = s["exp_avg"]
             out[f"exp_avg_sq/{n}"] = s["exp_avg_sq"]
             steps[n] = float(s["step"])
-    _atomic_tensors(work / "state.safetensors", out)
-    _atomic_json(work / "state.json", {"progress": asdict(state), "adam_steps": steps})
+    meta = {"progress": json.dumps(asdict(state)), "adam_steps": json.dumps(steps)}
+    _atomic_tensors(work / "state.safetensors", out, meta)
 
 
 def _load_state(work: Path, tensors: dict, names: list[str], optim: torch.optim.Optimizer) -> Progress:
+    from safetensors import safe_open
     saved = load_file(str(work / "state.safetensors"))
-    meta = json.loads((work / "state.json").read_text())
+    with safe_open(str(work / "state.safetensors"), "pt") as f:
+        raw = f.metadata()
+    meta = {"progress": json.loads(raw["progress"]), "adam_steps": json.loads(raw["adam_steps"])}
     with torch.no_grad():
         for n in names:
             tensors[n].copy_(saved[f"param/{n}"])
@@ -573,6 +630,7 @@ def _finish(out: Path, work: Path, target_dir: Path, raw: dict, tensors: dict, o
             state: Progress, n_train: int, n_val: int) -> Path:
     """Write the Hugging Face folder under a temporary name, then rename it to `out`."""
     dtype = parse_dtype(opts.save_dtype)
+    remove_stale_temps(out.parent, f".{out.name}.tmp-*")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)

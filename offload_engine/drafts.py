@@ -44,7 +44,7 @@ def self_draft_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: str, group_si
     total = 0
     for name, shape in layer_shapes(cfg).items():
         if name.endswith("proj.weight"):
-            total += quantized_bytes(shape[0], shape[1], scheme, group_size, dtype)
+            total += quantized_bytes(shape[0], shape[1], scheme, group_size)
         else:
             total += shape[0] * elt
     return cfg.num_layers * total
@@ -86,13 +86,16 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
     """The full folder of the default draft, rebuilt once into the cache from the committed layers
     and the default target's embeddings."""
     from .default_model import cache_root
+    from .acceptance_store import fingerprint
     layers_path = DEFAULT_DRAFT / LAYERS_FILE
-    if not layers_path.exists():
-        raise UserError(f"the default draft's weights are missing ({layers_path}); reinstall the package")
-    meta = json.loads((DEFAULT_DRAFT / "provenance.json").read_text())
-    digest = hashlib.sha256(layers_path.read_bytes()).hexdigest()[:12]
+    try:
+        meta = json.loads((DEFAULT_DRAFT / "provenance.json").read_text())
+        digest = hashlib.sha256(layers_path.read_bytes()).hexdigest()[:12]
+    except (OSError, ValueError) as e:
+        raise UserError(f"the default draft's files in {DEFAULT_DRAFT} are missing or damaged ({e})") from None
     root = cache_root() / "drafts"
-    folder = root / f"{DEFAULT_DRAFT.name}-{digest}"
+    # keyed by the target too: another target gets its own build, where the embeddings check runs
+    folder = root / f"{DEFAULT_DRAFT.name}-{digest}-{fingerprint(target_folder) or 'unreadable'}"
     if (folder / "model.safetensors").exists():
         return folder
     root.mkdir(parents=True, exist_ok=True)
@@ -126,7 +129,12 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
 
 
 def pack_default_draft(distilled: Path, dest: Path = DEFAULT_DRAFT) -> None:
-    """Write the committed form of a distilled draft: everything but the (target's) embeddings."""
+    """Write the committed form of a distilled draft: everything but the (target's) embeddings.
+    Only a draft at the target's hidden size has the target's (frozen) embeddings."""
+    report = json.loads((distilled / "distill.json").read_text())
+    if report["options"].get("hidden") not in (None, json.loads((Path(report["target"]) / "config.json").read_text())
+                                               ["hidden_size"]):
+        raise UserError(f"{distilled} was distilled at another hidden size: its embeddings are its own")
     tensors = load_file(str(distilled / "model.safetensors"))
     embed = tensors.pop(EMBED)
     dest.mkdir(parents=True, exist_ok=True)

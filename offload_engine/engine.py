@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -142,6 +143,20 @@ def _tree_spec(kind: str, budget: int, depth: int, width: int, acceptance: Accep
     return spec
 
 
+def _usable_vectors(vectors: dict, spec: TreeSpec) -> dict:
+    """The stored vectors that can shape a tree of the spec's budget and depth (a narrow one
+    cannot fill a large budget within few levels); the others are left out, with a warning."""
+    usable = {}
+    for t, (vector, path) in vectors.items():
+        try:
+            replace(spec, acceptance=vector).shape()
+            usable[t] = (vector, path)
+        except ValueError as e:
+            print(f"sequoia-offload: warning: stored acceptance vector {path.name} not used for "
+                  f"--tree-budget {spec.budget} --tree-depth {spec.depth}: {e}", file=sys.stderr)
+    return usable
+
+
 def _check_same_vocabulary(folder: Path, cfg: ModelConfig, tokenizer: Tokenizer, draft_folder: Path,
                            draft_cfg: ModelConfig) -> None:
     """Verification compares token ids: the draft must share the target's vocabulary exactly."""
@@ -229,13 +244,14 @@ class Engine:
                 draft_model = build_self_draft(ckpt, model, scheme, draft_group_size)
         finally:
             ckpt.close()
+        stored, target_fp, dkey = {}, None, None
+        if draft_model is not None:
+            target_fp, dkey = fingerprint(s.folder), draft_key(draft, s.draft_folder, draft_group_size)
+            if tree == "sequoia" and acceptance is None:
+                stored = _usable_vectors(stored_vectors(target_fp, dkey), spec)
         engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens, draft_model,
                      spec if draft_model is not None else TreeSpec())
-        if draft_model is not None:
-            engine.target_fingerprint = fingerprint(s.folder)
-            engine.draft_key = draft_key(draft, s.draft_folder, draft_group_size)
-            if tree == "sequoia" and acceptance is None:
-                engine.stored_acceptance = stored_vectors(engine.target_fingerprint, engine.draft_key)
+        engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
         return engine
 
     def close(self) -> None:

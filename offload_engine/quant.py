@@ -133,7 +133,7 @@ class QuantizedLinear:
             # bfloat16 activations and scales: a few parts in a thousand of the output's scale
             if (got - want).abs().max() > 2e-2 * float(want.abs().max().clamp_min(1e-6)):
                 raise RuntimeError("packed kernel disagrees with the dequantised matmul")
-        except (RuntimeError, NotImplementedError, AttributeError):
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             self.data, self.scale, self.scale_zeros = saved
             self.backend = "dequant"
             return
@@ -179,11 +179,11 @@ class QuantizedLinear:
         return sum(t.numel() * t.element_size() for t in parts.values())
 
 
-def quantized_bytes(out_features: int, in_features: int, scheme: str, group_size: int,
-                    dtype: torch.dtype) -> int:
-    """Bytes one quantised matrix holds (the dequant layout; the kernels' layouts are the same size
-    to within the scale dtype), for the placement plan."""
+def quantized_bytes(out_features: int, in_features: int, scheme: str, group_size: int) -> int:
+    """Bytes one quantised matrix holds in the kernel layout (the default backend), for the
+    placement plan: int8 values and a bfloat16 scale per row; int4 values two per byte and a
+    bfloat16 (scale, zero) pair per group. A weight that falls back to "dequant" keeps float32
+    scales instead: 2 more bytes per row (int8) or 4 more per group (int4)."""
     if scheme == "int8":
-        return out_features * in_features + 4 * out_features
-    groups = in_features // group_size
-    return out_features * in_features // 2 + 2 * 4 * out_features * groups
+        return out_features * in_features + 2 * out_features
+    return out_features * in_features // 2 + 4 * out_features * (in_features // group_size)

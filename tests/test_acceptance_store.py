@@ -49,6 +49,11 @@ def test_nearest_stored_vector_shapes_sequoia(models, tmp_path, monkeypatch):
     assert got[0.2]["acceptance_source"].startswith("cold.json")
     assert got[0.4]["acceptance_source"].startswith("warm.json") and len(got[0.4]["acceptance_by_rank"]) == 4
     assert got[1.0]["acceptance_source"].startswith("warm.json")
+    # a stored vector too narrow for the budget and depth is left out (with a warning), not a crash
+    _write(tmp_path, "narrow.json", fp, "self-int8", 0.3, [0.9, 0.05])
+    wide = Engine.load(a, draft="self-int8", tree_budget=40, tree_depth=4, progress=False)
+    assert sorted(wide.stored_acceptance) == [0.6]  # 2 children per node fill at most 15 nodes in 4 levels
+    (tmp_path / "narrow.json").unlink()
     # a vector given explicitly wins; another draft has none stored
     from sequoia_trees.acceptance import AcceptanceVector
     given = Engine.load(a, draft="self-int8", acceptance=AcceptanceVector((0.5, 0.3, 0.1)), progress=False)

@@ -44,6 +44,7 @@ def test_batched_generation_equals_one_at_a_time(setup):
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
     assert len({len(i) for i in ids}) > 1  # different lengths: padding is exercised
     batch = generate_batch(model, ids, 12, [0.0] * 4, set(), torch.Generator())
+    teacher_engine.close()
     engine = Engine.load(target, progress=False)
     engine.eos_token_ids = frozenset()
     for prompt, got in zip(ids, batch):
@@ -108,6 +109,40 @@ def test_streamed_teacher_gives_the_same_draft(setup, tmp_path, monkeypatch):
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
 
+@pytest.mark.parametrize("how", ["crash", "ctrl-c"])
+def test_resume_after_a_crash_or_ctrl_c(setup, tmp_path, monkeypatch, how):
+    """A crash mid-step (the process dies: the last periodic save, step 3, is what remains) and a
+    Ctrl-C mid-step (noted, acted on after the step and its save) both resume to the exact
+    uninterrupted result."""
+    import os
+    import signal
+
+    import offload_engine.distill as d
+    root, target, prompts = setup
+    full = distill(target, tmp_path / "full", _opts(prompts), progress=False)
+    real, calls = d.kl_loss, {"n": 0}
+
+    def failing(*a, **kw):
+        calls["n"] += torch.is_grad_enabled()  # training steps only, not evaluations
+        if calls["n"] == 5 and torch.is_grad_enabled():
+            if how == "crash":
+                raise RuntimeError("the process died here")
+            os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of step 5
+        return real(*a, **kw)
+
+    monkeypatch.setattr(d, "kl_loss", failing)
+    with pytest.raises(RuntimeError if how == "crash" else KeyboardInterrupt):
+        distill(target, tmp_path / "x", _opts(prompts), progress=False)
+    from safetensors import safe_open
+    with safe_open(str(work_dir(tmp_path / "x") / "state.safetensors"), "pt") as f:
+        saved_step = json.loads(f.metadata()["progress"])["step"]
+    assert saved_step == (3 if how == "crash" else 5)
+    monkeypatch.setattr(d, "kl_loss", real)
+    done = distill(target, tmp_path / "x", _opts(prompts), resume=True, progress=False)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(done / "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_resume_during_generation(setup, tmp_path, monkeypatch):
     """An interruption while the target is still answering keeps the answers written so far."""
     import offload_engine.distill as d
@@ -146,13 +181,21 @@ def test_cli_refusals(setup, tmp_path, capsys):
     assert main(["distill", "--target", str(target), "--out", str(tmp_path / "n3"), "--layers", "2",
                  "--init-layers", "0,7", "--prompts", str(prompts), "--tokens", "10"]) == 2
     assert "--init-layers 0,7" in capsys.readouterr().err
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "n4"), "--batch-size", "0"]) == 2
+    assert "--batch-size must be > 0" in capsys.readouterr().err
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "n5"), "--vram", "1KiB",
+                 "--device", "cpu"]) == 2
+    assert "training needs about" in capsys.readouterr().err
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())  # refusals leave nothing behind
 
 
 def test_smaller_hidden_size_trains_everything(setup, tmp_path):
     root, target, prompts = setup
-    out = distill(target, tmp_path / "narrow", _opts(prompts, hidden=32, tokens=300, eval_every=100), progress=False)
+    out = distill(target, tmp_path / "narrow", _opts(prompts, hidden=32, tokens=900, eval_every=3), progress=False)
     cfg = load_config(out)
     assert cfg.hidden_size == 32 and cfg.head_dim == load_config(target).head_dim
+    report = json.loads((out / "distill.json").read_text())
+    assert report["learning_curve"][-1]["train_kl"] < report["learning_curve"][1]["train_kl"]
     ckpt = Checkpoint(out, cfg)
     ckpt.check()
     Transformer.from_checkpoint(ckpt, torch.float32)
@@ -175,7 +218,6 @@ def test_default_draft_rebuilt_from_committed_layers(setup, tmp_path, monkeypatc
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert drafts.default_draft_dir(target, progress=False) == rebuilt  # built once
     other = make_tiny_checkpoint(tmp_path / "other", "smollm-tied", layers=3, init_std=0.3, seed=6)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache2"))
     with pytest.raises(UserError, match="distilled for another target"):
         drafts.default_draft_dir(other, progress=False)
     plain = Engine.load(target, progress=False)
