@@ -44,14 +44,14 @@ from tqdm import tqdm
 
 from .checkpoint import Checkpoint, layer_shapes
 from .config import ModelConfig, load_config, parse_dtype, read_json_object
+from .drafts import EMBED, TOKENIZER_FILES
 from .errors import UserError
 from .fsutil import remove_stale_temps
+from .kv_cache import KVCache
 from .model import Rope, decoder_layer, rms_norm, rope_inv_freq
 from .tokenizer import Tokenizer
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-EMBED = "model.embed_tokens.weight"
 
 
 @dataclass
@@ -98,22 +98,6 @@ class _NoCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         return k, v
-
-
-class _BatchCache:
-    """K/V of a batch of sequences, appended pass by pass (batched generation)."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device):
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        start, end = self.length, self.length + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 def batch_hidden(cfg: ModelConfig, embed: torch.Tensor, norm: torch.Tensor, layers, ids: torch.Tensor,
@@ -204,12 +188,14 @@ def generate_batch(target: _Model, prompts: list[list[int]], max_new: int, tempe
     # padding queries see themselves only, so that no row of the mask is empty (NaN-free K/V)
     mask = ((cols[None, :P] <= rows[:, None]) & valid[:, None, :P]) | (cols[None, :P] == rows[:, None])
     positions = (rows[None, :] - pad[:, None]).clamp_min(0)
-    cache = _BatchCache(target.cfg, B, P + max_new, target.tensors[EMBED].dtype, dev)
+    cfg = target.cfg
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, P + max_new, target.tensors[EMBED].dtype, dev,
+                    batch=B)
     temps = torch.tensor(temperatures, dtype=torch.float32)
     answers: list[list[int]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     h = target.hidden(ids, positions, mask, cache)[:, -1]
-    cache.length = P
+    cache.advance(P)
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
     for step in range(max_new):
         logits = F.linear(h, target.head).float().cpu()  # [B, V]
@@ -225,7 +211,7 @@ def generate_batch(target: _Model, prompts: list[list[int]], max_new: int, tempe
             break
         T = cache.length + 1
         h = target.hidden(token[:, None].to(dev), (lengths + step)[:, None], valid[:, None, :T], cache)[:, 0]
-        cache.length = T
+        cache.advance(1)
     return answers
 
 

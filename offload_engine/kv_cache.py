@@ -14,8 +14,9 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
-        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)  # [L, B, KVH, T, D]
+                 dtype: torch.dtype, device: str | torch.device = "cpu", batch: int = 1):
+        # batch > 1: sequences side by side, all at the same length (distill's batched generation)
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)  # [L, B, KVH, T, D]
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
