@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .checkpoint import Checkpoint, layer_shapes
@@ -213,11 +213,6 @@ def generate_batch(target: _Model, prompts: list[list[int]], max_new: int, tempe
         h = target.hidden(token[:, None].to(dev), (lengths + step)[:, None], valid[:, None, :T], cache)[:, 0]
         cache.advance(1)
     return answers
-
-
-def _read_prompt_items(path: Path) -> list[dict]:
-    from .measure import read_prompts
-    return read_prompts(path)
 
 
 def _text_windows(path: Path, tokenizer: Tokenizer, window: int) -> list[dict]:
@@ -459,11 +454,16 @@ def _run(target: _Model, target_dir: Path, tcfg: ModelConfig, raw: dict, tokeniz
     if not state.curve and val:
         kl, last_agree = evaluate(target, student, val, dev, opts.batch_size)
         state.curve.append({"tokens": 0, "step": 0, "kl": kl, "agreement": last_agree})
+    epoch_order: dict[int, list[list[int]]] = {}  # the batches of the current epoch, made once
     with _deferred_interrupt() as interrupted:
         while state.tokens_seen < opts.tokens:
-            batches_per_epoch = len(_epoch_batches(len(train), opts.batch_size, opts.seed, 0, lengths))
-            epoch, k = divmod(state.step, batches_per_epoch)
-            batch = [train[j] for j in _epoch_batches(len(train), opts.batch_size, opts.seed, epoch, lengths)[k]]
+            if not epoch_order:
+                epoch_order[0] = _epoch_batches(len(train), opts.batch_size, opts.seed, 0, lengths)
+            epoch, k = divmod(state.step, len(epoch_order[0]))  # every epoch has as many batches
+            if epoch not in epoch_order:
+                epoch_order = {0: epoch_order[0],
+                               epoch: _epoch_batches(len(train), opts.batch_size, opts.seed, epoch, lengths)}
+            batch = [train[j] for j in epoch_order[epoch][k]]
             for group in optim.param_groups:
                 group["lr"] = _lr(opts, state.tokens_seen)
             t_logp, s_logits = _pair_logits(target, student, batch, dev)
@@ -543,7 +543,8 @@ def _on_policy_text(target: _Model, tokenizer: Tokenizer, cfg: ModelConfig, opts
     data = json.loads(path.read_text()) if path.exists() else {"next_prompt": 0, "records": [], "done": False}
     if data["done"]:
         return data["records"]
-    items = _read_prompt_items(Path(opts.prompts) if opts.prompts else DEFAULT_PROMPTS)
+    from .measure import read_prompts  # measure imports the engine: only when answers are generated
+    items = read_prompts(Path(opts.prompts) if opts.prompts else DEFAULT_PROMPTS)
     prompts = []
     for it in items:
         ids = tokenizer.encode_chat(it["messages"]) if "messages" in it else tokenizer.encode(it["prompt"])
@@ -596,9 +597,9 @@ def _save_state(work: Path, tensors: dict, names: list[str], optim: torch.optim.
 
 def _load_state(work: Path, tensors: dict, names: list[str], optim: torch.optim.Optimizer) -> Progress:
     from safetensors import safe_open
-    saved = load_file(str(work / "state.safetensors"))
-    with safe_open(str(work / "state.safetensors"), "pt") as f:
+    with safe_open(str(work / "state.safetensors"), "pt") as f:  # tensors and progress, one read
         raw = f.metadata()
+        saved = {name: f.get_tensor(name) for name in f.keys()}
     meta = {"progress": json.loads(raw["progress"]), "adam_steps": json.loads(raw["adam_steps"])}
     with torch.no_grad():
         for n in names:
