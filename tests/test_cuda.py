@@ -170,12 +170,9 @@ def test_self_draft_kernels_on_cuda(scheme):
 
 @pytest.mark.parametrize("draft", ["self-int8", "self-int4"])
 def test_self_draft_greedy_equals_plain_on_cuda(ckpt, tmp_path, monkeypatch, draft):
-    from offload_engine import Engine
+    from tiny_models import greedy_past_eos
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    plain = Engine.load(ckpt.folder, device="cuda", progress=False)
-    plain.eos_token_ids = frozenset()
-    want = plain.generate("The capital of France is", max_new_tokens=32).token_ids
-    spec = Engine.load(ckpt.folder, device="cuda", draft=draft, draft_group_size=32, offload="ram",
-                       tree_budget=16, tree_depth=5, progress=False)
-    spec.eos_token_ids = frozenset()
-    assert spec.generate("The capital of France is", max_new_tokens=32).token_ids == want
+    want = greedy_past_eos(ckpt.folder, "The capital of France is", 32, device="cuda")[0].token_ids
+    spec = greedy_past_eos(ckpt.folder, "The capital of France is", 32, device="cuda", draft=draft,
+                           draft_group_size=32, offload="ram", tree_budget=16, tree_depth=5)[0]
+    assert spec.token_ids == want

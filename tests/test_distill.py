@@ -14,7 +14,7 @@ from offload_engine.config import load_config
 from offload_engine.model import Transformer
 from offload_engine.checkpoint import Checkpoint
 from offload_engine.tokenizer import Tokenizer
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
 PROMPTS = ["Hello, how are you?", "What is the capital of France?", "Write add(a, b) in Python.",
            "Count from 1 to 10.", "Tell me about speculative decoding.", "Numbers: 3.14159",
@@ -69,11 +69,8 @@ def test_training_reduces_kl_and_writes_a_loadable_draft(setup, tmp_path):
     assert torch.equal(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
     assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], want["model.layers.0.mlp.up_proj.weight"])
     # usable as a draft: greedy speculation still gives exactly the target's tokens
-    plain = Engine.load(target, progress=False)
-    spec = Engine.load(target, draft=out, tree_budget=16, tree_depth=4, progress=False)
-    for e in (plain, spec):
-        e.eos_token_ids = frozenset()
-    assert spec.generate("Hello", max_new_tokens=24).token_ids == plain.generate("Hello", max_new_tokens=24).token_ids
+    spec = greedy_past_eos(target, "Hello", 24, draft=out, tree_budget=16, tree_depth=4)[0]
+    assert spec.token_ids == greedy_past_eos(target, "Hello", 24)[0].token_ids
 
 
 def test_resume_gives_the_uninterrupted_result(setup, tmp_path):
@@ -220,8 +217,5 @@ def test_default_draft_rebuilt_from_committed_layers(setup, tmp_path, monkeypatc
     other = make_tiny_checkpoint(tmp_path / "other", "smollm-tied", layers=3, init_std=0.3, seed=6)
     with pytest.raises(UserError, match="distilled for another target"):
         drafts.default_draft_dir(other, progress=False)
-    plain = Engine.load(target, progress=False)
-    spec = Engine.load(target, draft="default", tree_budget=8, tree_depth=4, progress=False)
-    for e in (plain, spec):
-        e.eos_token_ids = frozenset()
-    assert spec.generate("Hi", max_new_tokens=16).token_ids == plain.generate("Hi", max_new_tokens=16).token_ids
+    spec = greedy_past_eos(target, "Hi", 16, draft="default", tree_budget=8, tree_depth=4)[0]
+    assert spec.token_ids == greedy_past_eos(target, "Hi", 16)[0].token_ids

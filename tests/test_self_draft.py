@@ -5,7 +5,7 @@ speculation exactly plain greedy, and its bytes in the placement plan."""
 import pytest
 import torch
 
-from offload_engine import Engine, UserError
+from offload_engine import UserError
 from offload_engine.checkpoint import Checkpoint
 from offload_engine.config import load_config
 from offload_engine.drafts import build_self_draft, self_draft_bytes
@@ -13,7 +13,7 @@ from offload_engine.model import Transformer
 from offload_engine.quant import (
     QuantizedLinear, _pack_nibbles, _unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
 )
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
 PROMPT = "The capital of France is"
 
@@ -109,16 +109,9 @@ def test_self_draft_logits_close_to_the_target(target, scheme, backend):
 @pytest.mark.parametrize("offload", ["none", "disk"])
 def test_greedy_with_self_draft_equals_plain_greedy(target, tmp_path, monkeypatch, draft, offload):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    plain = Engine.load(target, progress=False)
-    plain.eos_token_ids = frozenset()
-    want = plain.generate(PROMPT, max_new_tokens=40).token_ids
-    engine = Engine.load(target, draft=draft, draft_group_size=32, offload=offload, tree_budget=24, tree_depth=6,
-                         progress=False)
-    engine.eos_token_ids = frozenset()
-    try:
-        result = engine.generate(PROMPT, max_new_tokens=40)
-    finally:
-        engine.close()
+    want = greedy_past_eos(target, PROMPT, 40)[0].token_ids
+    result, engine = greedy_past_eos(target, PROMPT, 40, draft=draft, draft_group_size=32, offload=offload,
+                                     tree_budget=24, tree_depth=6)
     assert result.token_ids == want
     assert result.stats["tokens_per_step"] > 1.5  # a close copy of the target: most levels accepted
     # the plan's count is what the built draft holds (every weight took the kernel layout)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from offload_engine import Engine, UserError
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
 PROMPT = "The capital of France is"
 KINDS = [("sequoia", 24, 5), ("specexec", 24, 5), ("specinfer", 0, 4), ("chain", 0, 5)]
@@ -22,9 +22,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(pair):
-    engine = Engine.load(pair[0], progress=False)
-    engine.eos_token_ids = frozenset()
-    return engine.generate(PROMPT, max_new_tokens=40).token_ids
+    return greedy_past_eos(pair[0], PROMPT, 40)[0].token_ids
 
 
 @pytest.mark.parametrize("draft_kind", ["identical", "wrong"])
@@ -35,13 +33,8 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     target, wrong = pair
     draft = target if draft_kind == "identical" else wrong
-    engine = Engine.load(target, draft=draft, tree=kind, tree_budget=budget or 1, tree_depth=depth,
-                         specinfer_width=3, offload=offload, progress=False)
-    engine.eos_token_ids = frozenset()
-    try:
-        result = engine.generate(PROMPT, max_new_tokens=40)
-    finally:
-        engine.close()
+    result, _ = greedy_past_eos(target, PROMPT, 40, draft=draft, tree=kind, tree_budget=budget or 1,
+                                tree_depth=depth, specinfer_width=3, offload=offload)
     assert result.token_ids == plain
     s = result.stats
     assert s["tree"] == kind and s["target_steps"] >= 1

@@ -75,3 +75,16 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama3-gqa", seed: int
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "unk_token": None,
         "add_bos_token": False, "add_eos_token": False, "model_max_length": 512}))
     return path
+
+
+def greedy_past_eos(folder, prompt: str, max_new_tokens: int, **load_kw):
+    """Greedy decoding that does not stop at end-of-sequence tokens, so that two runs compare
+    token for token over a fixed length, on an engine loaded with `load_kw` and closed after.
+    Returns (GenerationResult, the closed engine)."""
+    from offload_engine import Engine
+    engine = Engine.load(folder, progress=False, **load_kw)
+    engine.eos_token_ids = frozenset()
+    try:
+        return engine.generate(prompt, max_new_tokens=max_new_tokens), engine
+    finally:
+        engine.close()
