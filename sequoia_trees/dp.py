@@ -59,29 +59,46 @@ def optimal_tree(acceptance: AcceptanceVector, budget: int, max_depth: int) -> T
         raise ValueError(f"budget and max_depth must be >= 1, got {budget}, {max_depth}")
     if max_depth == 1 and budget > 1:
         raise ValueError("a 1-level tree is the root alone (budget 1)")
-    p = np.asarray(acceptance.probs, dtype=np.float64)
-    G, best_b, split = _fill(p, budget, max_depth)
-    if not np.isfinite(G[budget, max_depth]):
-        raise ValueError(f"no tree of {budget} nodes fits in {max_depth} levels with at most "
-                         f"{len(p)} children per node")
-    children: dict[int, list[int]] = {}
-    spans = [(0, budget, max_depth)]  # (node id, subtree size, levels) still to expand
-    count = 1
-    while spans:  # DFS over subtrees; node ids are renumbered BFS below
-        node, m, l = spans.pop()
-        b = int(best_b[m, l]) if m > 1 else 0
-        sizes = []
-        while b > 0:
-            y = int(split[m, l, b])
-            sizes.append(m - y)
-            m, b = y, b - 1
-        kids = []
-        for size in reversed(sizes):  # rank 1 first
-            kids.append(count)
-            spans.append((count, size, l - 1))
-            count += 1
-        children[node] = kids
-    return _bfs(children, float(G[budget, max_depth]), p)
+    return TreeTable(acceptance, budget, max_depth).tree(budget, max_depth)
+
+
+class TreeTable:
+    """One DP fill up to (max_budget, max_depth), from which the optimal tree of every smaller
+    (budget, depth) is read: what the hardware-aware optimizer searches over."""
+
+    def __init__(self, acceptance: AcceptanceVector, max_budget: int, max_depth: int):
+        self.p = np.asarray(acceptance.probs, dtype=np.float64)
+        self.max_budget, self.max_depth = max_budget, max_depth
+        self.G, self._best_b, self._split = _fill(self.p, max_budget, max_depth)
+
+    def value(self, budget: int, depth: int) -> float:
+        """G(budget, depth): expected tokens per step of the best tree (-inf when none fits)."""
+        return float(self.G[budget, depth])
+
+    def tree(self, budget: int, depth: int) -> TreePlan:
+        if not (1 <= budget <= self.max_budget and 1 <= depth <= self.max_depth):
+            raise ValueError(f"({budget}, {depth}) is outside the table ({self.max_budget}, {self.max_depth})")
+        if not np.isfinite(self.G[budget, depth]):
+            raise ValueError(f"no tree of {budget} nodes fits in {depth} levels with at most "
+                             f"{len(self.p)} children per node")
+        children: dict[int, list[int]] = {}
+        spans = [(0, budget, depth)]  # (node id, subtree size, levels) still to expand
+        count = 1
+        while spans:  # DFS over subtrees; node ids are renumbered BFS below
+            node, m, l = spans.pop()
+            b = int(self._best_b[m, l]) if m > 1 else 0
+            sizes = []
+            while b > 0:
+                y = int(self._split[m, l, b])
+                sizes.append(m - y)
+                m, b = y, b - 1
+            kids = []
+            for size in reversed(sizes):  # rank 1 first
+                kids.append(count)
+                spans.append((count, size, l - 1))
+                count += 1
+            children[node] = kids
+        return _bfs(children, float(self.G[budget, depth]), self.p)
 
 
 def _bfs(children: dict[int, list[int]], value: float, p: np.ndarray) -> TreePlan:

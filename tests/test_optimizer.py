@@ -1,0 +1,90 @@
+"""The hardware-aware optimizer: brute force over the grid, and the regimes it must tell apart."""
+
+import random
+
+import pytest
+
+from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.dp import optimal_tree, tree_value
+from sequoia_trees.optimizer import Timings, choose, interpolate
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _vector(rng: random.Random, width: int) -> AcceptanceVector:
+    raw = sorted((rng.random() ** 2 for _ in range(width)), reverse=True)
+    total = rng.uniform(0.5, 0.98)
+    return AcceptanceVector(tuple(p * total / sum(raw) for p in raw))
+
+
+def _brute_force(v: AcceptanceVector, tm: Timings, budgets, max_depth):
+    """Every (n, d) on the grid: its optimal tree from a fresh DP, costed by hand."""
+    best = (tm.target_seconds[0] + tm.step_seconds, 1, 1)  # plain decoding: (s/token, n, d)
+    for n in budgets:
+        for d in range(2, max_depth + 1):
+            try:
+                tree = optimal_tree(v, n, d)
+            except ValueError:
+                continue
+            levels = {}
+            for depth in tree.depths:
+                levels[depth] = levels.get(depth, 0) + 1
+            step = tm.target(n) + sum(tm.draft(w) for w in levels.values()) + tm.step_seconds
+            value = tree_value(tree, v)
+            assert value == pytest.approx(tree.expected_tokens)
+            if step / value < best[0] * (1 - 1e-12):
+                best = (step / value, n, d)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choice_is_the_brute_force_best_over_the_grid(seed):
+    rng = random.Random(seed)
+    v = _vector(rng, rng.choice([4, 8, 16]))
+    ns = (1, 8, 16, 32, 64)
+    base = rng.uniform(0.05, 1.0)
+    slope = base * rng.choice([0.0005, 0.005, 0.05])
+    draft1 = base * rng.uniform(0.005, 0.2)
+    tm = Timings(ns, tuple(base + slope * n for n in ns), WIDTHS,
+                 tuple(draft1 * (1 + 0.02 * w) for w in WIDTHS), step_seconds=base * rng.uniform(0, 0.05))
+    budgets = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    c = choose(v, tm, budgets=budgets, max_depth=8)
+    s_per_token, n, d = _brute_force(v, tm, [b for b in budgets if b <= 64], 8)
+    assert c.seconds_per_token == pytest.approx(s_per_token, rel=1e-9)
+    assert (c.budget, c.depth) == (n, d)
+
+
+def test_flat_pass_time_gives_large_trees_and_steep_gives_small():
+    v = AcceptanceVector((0.6, 0.15, 0.08, 0.04, 0.02, 0.01, 0.005, 0.005))
+    ns = (1, 16, 32, 64, 128, 256, 512, 1024)
+    draft = tuple(0.0005 for _ in WIDTHS)  # a cheap resident draft
+    # offloaded: a pass costs the weight transfer whatever its width
+    flat = choose(v, Timings(ns, tuple(5.0 + 1e-4 * n for n in ns), WIDTHS, draft))
+    # on-chip: the pass time grows with the width from the start
+    steep = choose(v, Timings(ns, tuple(0.02 * (1 + n / 8) for n in ns), WIDTHS, draft))
+    assert flat.budget >= 512, flat.describe()
+    assert steep.budget <= 32, steep.describe()
+    assert flat.tokens_per_step > steep.tokens_per_step > 1
+
+
+def test_a_useless_draft_or_a_slow_one_is_not_used():
+    ns = (1, 16, 64)
+    tm = Timings(ns, (1.0, 1.0, 1.0), WIDTHS, tuple(0.01 for _ in WIDTHS))
+    assert choose(AcceptanceVector((0.0, 0.0)), tm).budget == 1
+    slow = Timings(ns, (1.0, 1.0, 1.0), WIDTHS, tuple(10.0 for _ in WIDTHS))
+    assert choose(AcceptanceVector((0.5, 0.2)), slow).budget == 1
+
+
+def test_interpolation_and_timings_validation():
+    xs, ys = (1, 16, 64), (1.0, 2.5, 4.0)
+    assert interpolate(xs, ys, 1) == 1.0 and interpolate(xs, ys, 64) == 4.0
+    assert interpolate(xs, ys, 40) == pytest.approx(3.25)
+    assert interpolate(xs, ys, 0.5) == 1.0
+    with pytest.raises(ValueError, match="beyond"):
+        interpolate(xs, ys, 65)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Timings((16, 1), (1.0, 1.0), (1,), (0.1,))
+    with pytest.raises(ValueError, match=">= 0"):
+        Timings((1,), (-1.0,), (1,), (0.1,))
+    tm = Timings((1, 64), (1.0, 2.0), (1, 8), (0.1, 0.2))
+    assert tm.draft(16) == pytest.approx(0.4)  # wider than measured: two slices of the widest
