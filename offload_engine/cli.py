@@ -40,10 +40,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "quantised, sharing its embeddings and head)")
     t.add_argument("--draft-group-size", type=int, default=64,
                    help="self-int4: inputs per quantisation group (default 64)")
-    t.add_argument("--tree", default="sequoia", choices=("sequoia", "specexec", "specinfer", "chain", "none"),
-                   help="tree kind (default sequoia: the optimal tree for the acceptance vector)")
-    t.add_argument("--tree-budget", type=int, default=64, help="tree nodes, the root included (default 64)")
-    t.add_argument("--tree-depth", type=int, default=8, help="tree levels, the root included (default 8)")
+    t.add_argument("--tree", default="auto", choices=("auto", "sequoia", "specexec", "specinfer", "chain", "none"),
+                   help="tree kind (default auto: Sequoia's optimal tree, its size and depth chosen from this "
+                        "machine's measured profile and the pair's acceptance vector, both measured once and "
+                        "cached; sequoia: the optimal tree of --tree-budget nodes)")
+    t.add_argument("--tree-budget", type=int, default=None,
+                   help="tree nodes, the root included (default 64; with --tree auto the largest considered, "
+                        "default 1024)")
+    t.add_argument("--tree-depth", type=int, default=None,
+                   help="tree levels, the root included (default 8; with --tree auto the most considered, "
+                        "default 24)")
     t.add_argument("--specinfer-width", type=int, default=4, help="SpecInfer: independent sequences (default 4)")
     t.add_argument("--acceptance", default=None,
                    help="acceptance vector JSON (from the acceptance command) shaping --tree sequoia")
@@ -66,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Run a Llama-family model exactly on one GPU (or the CPU). With no command: a one-turn chat "
         "demo with the embedded default model."))
     sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", help="one streamed chat turn with the embedded default model")
+    demo = sub.add_parser("demo", help="one streamed chat turn with the embedded default pair: the target "
+                                       "streamed from disk (on a machine without a GPU), the default draft, --tree auto")
     _model_args(demo)
+    demo.set_defaults(draft="default", offload=None)
     gen = sub.add_parser("generate", help="generate from a prompt")
     _model_args(gen)
     _sampling_args(gen)
@@ -118,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--vram", default=None, help="device memory budget for the target")
     dist.add_argument("--ram", default=None, help="RAM budget for the target's streamed layers")
     dist.add_argument("--resume", action="store_true", help="continue the interrupted run in <out>.partial")
+    prof = sub.add_parser("profile", help="measure this machine for --tree auto: streaming bandwidth, the "
+                                          "target's pass time t(n) and the draft's level time (cached)")
+    _model_args(prof)
+    prof.add_argument("--out", default=None, help="also write the profile JSON here")
+    prof.add_argument("--budget-s", type=float, default=120.0,
+                      help="time budget: wider target passes are skipped once it is spent (default 120)")
+    prof.add_argument("--force", action="store_true", help="measure again even when a cached profile exists")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
@@ -163,6 +178,12 @@ def _stats_line(stats: dict) -> str:
             f"{stats['target_passes']} target passes")
     if stats["tree"] != "none":
         line += f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
+    auto = stats.get("auto")
+    if auto and stats["target_steps"]:
+        decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
+        line += (f", {decode_s:.3f} s/token (auto tree predicted {auto['predicted_tokens_per_step']:.2f} tokens/step, "
+                 f"{auto['predicted_seconds_per_token']:.3f} s/token: {auto['predicted_speedup']:.2f}x over plain "
+                 f"streamed decoding at {auto['predicted_plain_seconds_per_token']:.3f} s/token)")
     if stats["bytes_streamed"]:
         line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
                  f"stalled {stats['stall_seconds']:.2f} s")
@@ -170,6 +191,10 @@ def _stats_line(stats: dict) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.offload is None:  # the offload regime: PCIe streaming on a GPU, disk streaming without one
+        import torch
+        gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        args.offload = "auto" if gpu else "disk"
     engine = _load(args)
     print(f"model: {engine.folder.name} on {engine.model.device} ({engine.model.dtype})")
     print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
@@ -258,6 +283,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from . import profiler
+    if args.draft is None:
+        raise UserError("profile needs a draft (--draft): it measures the draft's level time too")
+    if args.tree == "auto":
+        args.tree = "sequoia"  # the profile is what auto needs: load without planning
+    engine = _load(args)
+    prof, path, fresh = profiler.cached_or_measured(engine, args.budget_s, progress=True, force=args.force)
+    print(f"{'measured' if fresh else 'cached'}: {path}")
+    print(f"machine: {prof.machine}; {prof.device} ({prof.dtype}); plan: {prof.plan}")
+    print(f"streaming: {prof.stream_source} {prof.stream_gb_per_s:.2f} GB/s")
+    print("| target tokens | pass s |\n|---:|---:|")
+    for n, t in zip(prof.target_tokens, prof.target_pass_s):
+        print(f"| {n} | {t:.4f} |")
+    print("| draft level width | s |\n|---:|---:|")
+    for w, t in zip(prof.draft_widths, prof.draft_level_s):
+        print(f"| {w} | {t:.4f} |")
+    print(f"step overhead: {prof.step_overhead_s:.4f} s; measured in {prof.measure_s:.1f} s")
+    if args.out:
+        Path(args.out).write_text(prof.to_json())
+        print(f"-> {args.out}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks import stream_bench
     return stream_bench.run(args)
@@ -274,6 +323,8 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         params = SamplingParams(args.temperature, args.top_p)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.tree == "auto":
+        args.tree = "sequoia"  # the measurement picks its own one-level tree: load without planning
     engine = _load(args)
     if args.mode == "on-policy":
         vector, count = measure.on_policy(engine, prompts, args.width, params, args.max_new_tokens, args.seed)
@@ -316,7 +367,7 @@ def cmd_default_model(args: argparse.Namespace) -> int:
 
 COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "convert-gguf": cmd_convert,
             "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench,
-            "acceptance": cmd_acceptance, "distill": cmd_distill}
+            "acceptance": cmd_acceptance, "distill": cmd_distill, "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

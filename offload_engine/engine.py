@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 
 from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH
 from sequoia_trees.sampling import SamplingParams
 
 from .acceptance_store import draft_key, fingerprint, nearest, stored_vectors
+from .auto_tree import AUTO_MAX_BUDGET
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config, parse_dtype
 from .detokenize import TextStream
@@ -184,6 +186,7 @@ class Engine:
         # measured vectors of this (target, draft) pair by temperature (acceptance_store); when
         # present they shape --tree sequoia, the one nearest each generation's temperature
         self.stored_acceptance: dict = {}
+        self.auto_plans: dict = {}  # --tree auto: temperature -> auto_tree.AutoPlan
         # stops the loader thread when the engine is closed, collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, model.layers.close)
         self.plan = plan
@@ -206,7 +209,8 @@ class Engine:
              dtype: str | torch.dtype | None = None, max_context: int | None = None, *,
              offload: str = "auto", vram: int | str | None = None, ram: int | str | None = None,
              buffers: int | None = None, max_batch_tokens: int = 1024, draft: str | Path | None = None,
-             tree: str = "sequoia", tree_budget: int = 64, tree_depth: int = 8, specinfer_width: int = 4,
+             tree: str = "auto", tree_budget: int | None = None, tree_depth: int | None = None,
+             specinfer_width: int = 4,
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
              progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
@@ -217,9 +221,20 @@ class Engine:
         defaults to 2 on CUDA and 6 on the CPU. With a `draft` (a checkpoint folder with the same
         tokenizer, "default" for the embedded pair's distilled draft, or "self-int8"/"self-int4"
         for a quantised copy of the target, int4 in groups of `draft_group_size`), kept resident,
-        generation speculates with a tree of kind `tree` (see `speculative.TREE_KINDS`).
+        generation speculates with a tree of kind `tree` (see `speculative.TREE_KINDS`), by
+        default "auto": Sequoia's tree with the size and depth the optimizer picks from this
+        machine's profile and the pair's acceptance vectors (`auto_tree`), at most `tree_budget`
+        nodes (default 1024) and `tree_depth` levels (default 24). Other kinds default to 64
+        nodes and 8 levels.
         """
-        spec = _tree_spec(tree, tree_budget, tree_depth, specinfer_width, acceptance)
+        auto = tree == "auto"
+        if auto:
+            cap_budget, cap_depth = tree_budget or AUTO_MAX_BUDGET, tree_depth or DEFAULT_MAX_DEPTH
+            if cap_budget < 1 or cap_depth < 1:
+                raise UserError(f"--tree-budget and --tree-depth must be >= 1, got {cap_budget}, {cap_depth}")
+            spec = TreeSpec("sequoia", cap_budget, cap_depth, specinfer_width, acceptance or GENERIC_ACCEPTANCE)
+        else:
+            spec = _tree_spec(tree, tree_budget or 64, tree_depth or 8, specinfer_width, acceptance)
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
                    max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size)
         tokenizer = Tokenizer.from_folder(s.folder)
@@ -249,10 +264,25 @@ class Engine:
             target_fp, dkey = fingerprint(s.folder), draft_key(draft, s.draft_folder, draft_group_size)
             if tree == "sequoia" and acceptance is None:
                 stored = _usable_vectors(stored_vectors(target_fp, dkey), spec)
-        engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max_batch_tokens, draft_model,
-                     spec if draft_model is not None else TreeSpec())
+        engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, spec.max_nodes),
+                     draft_model, spec if draft_model is not None else TreeSpec())
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
+        if auto and draft_model is not None:
+            engine._plan_auto(acceptance, cap_budget, cap_depth, progress)
         return engine
+
+    def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
+                   progress: bool) -> None:
+        from . import auto_tree, profiler
+        prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
+        if progress:
+            print(f"sequoia-offload: {'measured' if fresh else 'using'} the machine profile {path}", file=sys.stderr)
+        vectors = ({0.0: (acceptance, Path("given"))} if acceptance is not None
+                   else auto_tree.vectors_for(self, progress))
+        self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth)
+        if progress:
+            for plan in self.auto_plans.values():
+                print(f"sequoia-offload: {plan.describe()}", file=sys.stderr)
 
     def close(self) -> None:
         """Stop the layer loader and release the disk reader (also done when the engine is
@@ -314,7 +344,12 @@ class Engine:
         budget = min(max_new_tokens, self.max_context - len(ids))
         spec = self.tree if self.draft is not None else TreeSpec()
         source = "generic" if spec.acceptance == GENERIC_ACCEPTANCE else "given"
-        if spec.kind == "sequoia" and self.stored_acceptance:
+        auto = None
+        if self.auto_plans and self.draft is not None:
+            t = min(self.auto_plans, key=lambda k: (abs(k - params.temperature), k))
+            auto = self.auto_plans[t]
+            spec, source = auto.spec, auto.source
+        elif spec.kind == "sequoia" and self.stored_acceptance:
             vector, path, t = nearest(self.stored_acceptance, params.temperature)
             spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
         draft = self.draft if spec.kind != "none" else None  # --tree none: the draft sits idle
@@ -344,6 +379,12 @@ class Engine:
                  "finish_reason": finish, "tree": spec.kind, "tree_budget": spec.max_nodes, "tree_depth": spec.depth,
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
                  "acceptance_by_rank": by_rank, "acceptance_source": source if spec.kind == "sequoia" else None,
+                 "auto": None if auto is None else {
+                     "temperature": auto.temperature, "budget": auto.choice.budget, "depth": auto.choice.depth,
+                     "predicted_tokens_per_step": auto.choice.tokens_per_step,
+                     "predicted_seconds_per_token": auto.choice.seconds_per_token,
+                     "predicted_plain_seconds_per_token": auto.plain_seconds_per_token,
+                     "predicted_speedup": auto.predicted_speedup},
                  **self.model.layers.snapshot().minus(before).as_dict()}
         return GenerationResult(stream.text, new, finish, stats)
 

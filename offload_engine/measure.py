@@ -51,9 +51,9 @@ def on_policy(engine: Engine, prompts: list[dict], width: int, params: SamplingP
     """Decode every prompt with a one-level tree of `width` children; count the accepted rank."""
     if engine.draft is None:
         raise UserError("measuring acceptance needs a draft (--draft)")
-    saved, stored = engine.tree, engine.stored_acceptance
+    saved, stored, auto = engine.tree, engine.stored_acceptance, engine.auto_plans
     engine.tree = TreeSpec("sequoia", width + 1, 2, acceptance=AcceptanceVector((0.5 / width,) * width))
-    engine.stored_acceptance = {}  # the one-level tree of `width` children, whatever is stored
+    engine.stored_acceptance, engine.auto_plans = {}, {}  # the one-level tree of `width` children, whatever else
     counts, steps = torch.zeros(width, dtype=torch.float64), 0
     try:
         for i, item in enumerate(prompts):
@@ -62,7 +62,7 @@ def on_policy(engine: Engine, prompts: list[dict], width: int, params: SamplingP
             counts += torch.tensor(stats["acceptance_by_rank"][:width], dtype=torch.float64)
             steps += stats["target_steps"]
     finally:
-        engine.tree, engine.stored_acceptance = saved, stored
+        engine.tree, engine.stored_acceptance, engine.auto_plans = saved, stored, auto
     if not steps:
         raise UserError("no speculation step ran (answers of one token?); use longer prompts or --max-new-tokens")
     return AcceptanceVector(tuple((counts / steps).tolist())), steps

@@ -40,9 +40,12 @@ class TreeSpec:
     depth: int = 1  # levels, the root included
     specinfer_width: int = 4  # SpecInfer: independent sequences sharing the root
     acceptance: AcceptanceVector = GENERIC_ACCEPTANCE
+    parents: tuple[int, ...] | None = None  # sequoia: the optimal tree, when already built (--tree auto)
 
     def shape(self) -> tuple[int, ...] | None:
         """Parents of a static tree (BFS order); None for the dynamic (specexec) tree."""
+        if self.parents is not None:
+            return self.parents
         if self.kind == "none":
             return (-1,)
         if self.kind == "chain":

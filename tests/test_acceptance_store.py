@@ -42,7 +42,7 @@ def test_nearest_stored_vector_shapes_sequoia(models, tmp_path, monkeypatch):
     _write(tmp_path, "other-draft.json", fp, "self-int4-g64", 0.3, [0.1])
     _write(tmp_path, "other-target.json", store.fingerprint(b), "self-int8", 0.3, [0.1])
     (tmp_path / "junk.json").write_text("[1, 2]")
-    engine = Engine.load(a, draft="self-int8", tree_budget=12, tree_depth=5, progress=False)
+    engine = Engine.load(a, tree="sequoia", draft="self-int8", tree_budget=12, tree_depth=5, progress=False)
     assert sorted(engine.stored_acceptance) == [0.0, 0.6]
     got = {t: engine.generate("Hello", max_new_tokens=8, temperature=t, seed=0).stats for t in (0.0, 0.2, 0.4, 1.0)}
     assert got[0.0]["acceptance_source"].startswith("cold.json") and len(got[0.0]["acceptance_by_rank"]) == 2
@@ -51,14 +51,14 @@ def test_nearest_stored_vector_shapes_sequoia(models, tmp_path, monkeypatch):
     assert got[1.0]["acceptance_source"].startswith("warm.json")
     # a stored vector too narrow for the budget and depth is left out (with a warning), not a crash
     _write(tmp_path, "narrow.json", fp, "self-int8", 0.3, [0.9, 0.05])
-    wide = Engine.load(a, draft="self-int8", tree_budget=40, tree_depth=4, progress=False)
+    wide = Engine.load(a, tree="sequoia", draft="self-int8", tree_budget=40, tree_depth=4, progress=False)
     assert sorted(wide.stored_acceptance) == [0.6]  # 2 children per node fill at most 15 nodes in 4 levels
     (tmp_path / "narrow.json").unlink()
     # a vector given explicitly wins; another draft has none stored
     from sequoia_trees.acceptance import AcceptanceVector
-    given = Engine.load(a, draft="self-int8", acceptance=AcceptanceVector((0.5, 0.3, 0.1)), progress=False)
+    given = Engine.load(a, tree="sequoia", draft="self-int8", acceptance=AcceptanceVector((0.5, 0.3, 0.1)), progress=False)
     assert given.generate("Hello", max_new_tokens=4).stats["acceptance_source"] == "given"
-    other = Engine.load(a, draft=b, progress=False)
+    other = Engine.load(a, tree="sequoia", draft=b, progress=False)
     assert other.generate("Hello", max_new_tokens=4).stats["acceptance_source"] == "generic"
 
 
@@ -73,6 +73,6 @@ def test_acceptance_command_output_is_found_by_the_store(models, tmp_path, monke
     data = json.loads(out.read_text())
     assert data["target_fingerprint"] == store.fingerprint(a)
     assert data["draft_key"] == "model:" + store.fingerprint(b)
-    engine = Engine.load(a, draft=b, progress=False)
+    engine = Engine.load(a, tree="sequoia", draft=b, progress=False)
     assert list(engine.stored_acceptance) == [0.6]
     assert engine.generate("Hi", max_new_tokens=4).stats["acceptance_source"].startswith("measured.json")

@@ -173,6 +173,6 @@ def test_self_draft_greedy_equals_plain_on_cuda(ckpt, tmp_path, monkeypatch, dra
     from tiny_models import greedy_past_eos
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     want = greedy_past_eos(ckpt.folder, "The capital of France is", 32, device="cuda")[0].token_ids
-    spec = greedy_past_eos(ckpt.folder, "The capital of France is", 32, device="cuda", draft=draft,
+    spec = greedy_past_eos(ckpt.folder, "The capital of France is", 32, device="cuda", tree="sequoia", draft=draft,
                            draft_group_size=32, offload="ram", tree_budget=16, tree_depth=5)[0]
     assert spec.token_ids == want

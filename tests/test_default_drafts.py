@@ -29,7 +29,7 @@ MIN_TOKENS_PER_STEP = {"default": 1.15, "self-int8": 2.5, "self-int4": 2.0}
 
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_greedy_with_each_default_draft_equals_plain(plain, draft):
-    engine = Engine.load("default", device="cpu", draft=draft, tree_budget=32, tree_depth=8, progress=False)
+    engine = Engine.load("default", device="cpu", tree="sequoia", draft=draft, tree_budget=32, tree_depth=8, progress=False)
     result = engine.generate(messages=QUESTION, max_new_tokens=48)
     assert result.token_ids == plain
     s = result.stats
@@ -38,7 +38,7 @@ def test_greedy_with_each_default_draft_equals_plain(plain, draft):
 
 
 def test_stored_vectors_cover_every_draft_and_temperature():
-    engine = Engine.load("default", device="cpu", draft="self-int8", progress=False)
+    engine = Engine.load("default", device="cpu", tree="sequoia", draft="self-int8", progress=False)
     for draft in DRAFTS:
         for t in ("0", "0.6"):
             path = STORE_DIR / f"smollm2-135m-instruct__{draft}__t{t}.json"

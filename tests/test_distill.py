@@ -69,7 +69,7 @@ def test_training_reduces_kl_and_writes_a_loadable_draft(setup, tmp_path):
     assert torch.equal(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
     assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], want["model.layers.0.mlp.up_proj.weight"])
     # usable as a draft: greedy speculation still gives exactly the target's tokens
-    spec = greedy_past_eos(target, "Hello", 24, draft=out, tree_budget=16, tree_depth=4)[0]
+    spec = greedy_past_eos(target, "Hello", 24, tree="sequoia", draft=out, tree_budget=16, tree_depth=4)[0]
     assert spec.token_ids == greedy_past_eos(target, "Hello", 24)[0].token_ids
 
 
@@ -81,7 +81,7 @@ def test_resume_gives_the_uninterrupted_result(setup, tmp_path):
     # interrupted: nothing at --out, and the work folder does not load as a draft
     assert not part.exists() and work_dir(part).exists()
     with pytest.raises(UserError):
-        Engine.load(target, draft=work_dir(part), progress=False)
+        Engine.load(target, tree="sequoia", draft=work_dir(part), progress=False)
     with pytest.raises(UserError, match="--resume"):
         distill(target, part, _opts(prompts), progress=False)
     # resuming ignores new options: the run's own are kept
@@ -200,22 +200,42 @@ def test_smaller_hidden_size_trains_everything(setup, tmp_path):
 
 
 def test_default_draft_rebuilt_from_committed_layers(setup, tmp_path, monkeypatch):
-    """The committed form (layers without the target's embeddings) rebuilds the exact distilled
-    folder, refuses another target, and loads as --draft default."""
+    """The committed form (layers without the target's embeddings) rebuilds the distilled folder:
+    exactly when stored as is; with int8 matrices, each weight within quant's int8 bound (plus the
+    bfloat16 rounding of the result), norms exact. It refuses another target and loads as --draft
+    default."""
     import offload_engine.drafts as drafts
+    from offload_engine.quant import error_bound
     root, target, prompts = setup
     out = distill(target, tmp_path / "d", _opts(prompts, tokens=200, save_dtype="bfloat16"), progress=False)
-    packed = tmp_path / "committed"
-    drafts.pack_default_draft(out, packed)
-    assert "model.embed_tokens.weight" not in load_file(str(packed / drafts.LAYERS_FILE))
-    monkeypatch.setattr(drafts, "DEFAULT_DRAFT", packed)
+    a = load_file(str(out / "model.safetensors"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    rebuilt = drafts.default_draft_dir(target, progress=False)
-    a, b = load_file(str(out / "model.safetensors")), load_file(str(rebuilt / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    for weights in ("same", "int8"):
+        packed = tmp_path / f"committed-{weights}"
+        drafts.pack_default_draft(out, packed, weights=weights)
+        stored = load_file(str(packed / drafts.LAYERS_FILE))
+        assert "model.embed_tokens.weight" not in stored
+        monkeypatch.setattr(drafts, "DEFAULT_DRAFT", packed)
+        rebuilt = drafts.default_draft_dir(target, progress=False)
+        b = load_file(str(rebuilt / "model.safetensors"))
+        assert a.keys() == b.keys() and all(b[n].dtype == a[n].dtype for n in a)
+        if weights == "same":
+            assert all(torch.equal(a[n], b[n]) for n in a)
+            continue
+        matrices = [n for n in a if a[n].dim() == 2 and n != "model.embed_tokens.weight"]
+        assert matrices and all(stored[n + drafts.Q8_SUFFIX].dtype == torch.int8 for n in matrices)
+        for n in a:
+            if n in matrices:
+                w = a[n].float()
+                slack = error_bound(w, "int8") + w.abs().amax(1, keepdim=True) * 2 ** -8  # bf16 rounding
+                err = (b[n].float() - w).abs()
+                assert (err <= slack).all(), n
+                assert err.max() > 0  # it really was quantised
+            else:
+                assert torch.equal(a[n], b[n]), n
     assert drafts.default_draft_dir(target, progress=False) == rebuilt  # built once
     other = make_tiny_checkpoint(tmp_path / "other", "smollm-tied", layers=3, init_std=0.3, seed=6)
     with pytest.raises(UserError, match="distilled for another target"):
         drafts.default_draft_dir(other, progress=False)
-    spec = greedy_past_eos(target, "Hi", 16, draft="default", tree_budget=8, tree_depth=4)[0]
+    spec = greedy_past_eos(target, "Hi", 16, tree="sequoia", draft="default", tree_budget=8, tree_depth=4)[0]
     assert spec.token_ids == greedy_past_eos(target, "Hi", 16)[0].token_ids

@@ -110,7 +110,7 @@ def test_self_draft_logits_close_to_the_target(target, scheme, backend):
 def test_greedy_with_self_draft_equals_plain_greedy(target, tmp_path, monkeypatch, draft, offload):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     want = greedy_past_eos(target, PROMPT, 40)[0].token_ids
-    result, engine = greedy_past_eos(target, PROMPT, 40, draft=draft, draft_group_size=32, offload=offload,
+    result, engine = greedy_past_eos(target, PROMPT, 40, tree="sequoia", draft=draft, draft_group_size=32, offload=offload,
                                      tree_budget=24, tree_depth=6)
     assert result.token_ids == want
     assert result.stats["tokens_per_step"] > 1.5  # a close copy of the target: most levels accepted

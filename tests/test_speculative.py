@@ -83,7 +83,7 @@ def test_a_draft_with_another_vocabulary_is_refused(pair, tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(UserError, match="vocabulary differs"):
-        Engine.load(pair[0], draft=other, progress=False)
+        Engine.load(pair[0], tree="sequoia", draft=other, progress=False)
 
 
 def test_bad_tree_arguments(pair):

@@ -1,0 +1,120 @@
+"""`--tree auto`: the tree's size and depth chosen for this machine and this (target, draft) pair.
+
+Inputs, each measured once and cached:
+  * the machine's profile (`profiler`): t_target(n), t_draft(w), step overhead;
+  * the pair's acceptance vectors: the stored ones (`hw_profiles/acceptance/`) or, when none is
+    stored, a quick on-policy measurement at T=0 and T=0.6 (`AUTO_PROMPTS` prompts, width 16)
+    written to <cache>/acceptance/ in the `acceptance` command's format.
+Then the optimizer picks (budget, depth) per temperature; each generation uses the choice of the
+vector nearest its temperature. A choice of budget 1 (the draft does not pay for itself) decodes
+plainly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH, Choice, choose
+from sequoia_trees.sampling import SamplingParams
+
+from .acceptance_store import stored_vectors
+from .hw_profile import MeasuredProfile
+from .speculative import TreeSpec
+
+AUTO_MAX_BUDGET = 1024
+AUTO_PROMPTS = 4
+AUTO_NEW_TOKENS = 24
+AUTO_WIDTH = 16
+AUTO_TEMPERATURES = (0.0, 0.6)
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    temperature: float  # of the acceptance vector it was chosen for
+    vector: AcceptanceVector
+    source: str  # the vector's file name
+    choice: Choice
+    plain_seconds_per_token: float  # t_target(1) + step overhead: plain streamed decoding, predicted
+
+    @property
+    def spec(self) -> TreeSpec:
+        c = self.choice
+        if c.budget == 1:
+            return TreeSpec()
+        return TreeSpec("sequoia", c.budget, c.depth, acceptance=self.vector, parents=c.tree.parents)
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.plain_seconds_per_token / self.choice.seconds_per_token
+
+    def describe(self) -> str:
+        return (f"tree auto at T={self.temperature:g}: {self.choice.describe()}; predicted "
+                f"{self.predicted_speedup:.2f}x over plain streamed decoding "
+                f"({self.plain_seconds_per_token:.3f} s/token) [{self.source}]")
+
+
+def acceptance_cache_dir() -> Path:
+    from .default_model import cache_root
+    return cache_root() / "acceptance"
+
+
+def vectors_for(engine, progress: bool) -> dict:
+    """The pair's vectors by temperature: stored in the repo, cached, or measured now."""
+    found = stored_vectors(engine.target_fingerprint, engine.draft_key)
+    cached = stored_vectors(engine.target_fingerprint, engine.draft_key, acceptance_cache_dir())
+    for t, v in cached.items():
+        found.setdefault(t, v)
+    if found:
+        return found
+    return measure_and_cache(engine, progress)
+
+
+def measure_and_cache(engine, progress: bool) -> dict:
+    from . import measure
+    from .distill import DEFAULT_PROMPTS
+    if progress:
+        print(f"sequoia-offload: no acceptance vector is stored for this pair: measuring one on-policy "
+              f"({AUTO_PROMPTS} prompts x {AUTO_NEW_TOKENS} tokens, width {AUTO_WIDTH}, T="
+              f"{' and '.join(f'{t:g}' for t in AUTO_TEMPERATURES)}), once; cached", file=sys.stderr)
+    prompts = measure.read_prompts(DEFAULT_PROMPTS)[:AUTO_PROMPTS]
+    root = acceptance_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for t in AUTO_TEMPERATURES:
+        vector, steps = measure.on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0)
+        data = {"acceptance": list(vector.probs), "mode": "on-policy", "width": AUTO_WIDTH, "temperature": t,
+                "top_p": 1.0, "samples": steps, "prompts": len(prompts), "target": str(engine.folder),
+                "draft": engine.draft_key, "target_fingerprint": engine.target_fingerprint,
+                "draft_key": engine.draft_key}
+        name = f"{engine.target_fingerprint}__{_safe(engine.draft_key)}__t{t:g}.json"
+        tmp = root / f".{name}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, root / name)
+        out[t] = (vector, root / name)
+    return out
+
+
+def _safe(key: str | None) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
+
+
+def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MAX_BUDGET,
+              max_depth: int = DEFAULT_MAX_DEPTH) -> dict[float, AutoPlan]:
+    timings = profile.timings()
+    budgets = tuple(n for n in _grid(max_budget) if n <= max_budget)
+    plans = {}
+    for t, (vector, path) in vectors.items():
+        choice = choose(vector, timings, budgets=budgets, max_depth=max_depth)
+        plain = timings.target(1) + timings.step_seconds
+        plans[t] = AutoPlan(t, vector, Path(path).name, choice, plain)
+    return plans
+
+
+def _grid(max_budget: int) -> tuple[int, ...]:
+    from sequoia_trees.optimizer import DEFAULT_BUDGETS
+    return tuple(sorted(set(DEFAULT_BUDGETS) | {max_budget}))

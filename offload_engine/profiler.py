@@ -1,0 +1,242 @@
+"""Measure a machine for the optimizer (`sequoia-offload profile`, and `--tree auto` on first use).
+
+For one loaded engine (target placed by its plan, draft resident) it measures:
+  * the streaming bandwidth: pinned host-to-device copies on a GPU; O_DIRECT reads of the layer
+    store when layers stream from disk (the CPU's offload regime); nothing when all is resident;
+  * t_target(n): one target pass over n new tokens after a `prefix`-token context, with a tree
+    mask, its logits turned into probabilities (the verification's work), for n in
+    TARGET_WIDTHS, stopping early when the time budget is spent (then the optimizer searches
+    only the widths measured);
+  * t_draft(w): one draft level of w nodes (forward, probabilities and children drawn for each);
+  * step overhead: one real speculation step of a (64, 8) tree, timed whole, minus what the
+    three parts above predict for it (commit, verification walk, bookkeeping); at least 0.
+
+The profile is cached under <cache>/profiles/, keyed by the machine, the device and dtype, the
+pair's fingerprints and the placement plan: another plan is another machine as far as timing goes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.sampling import SamplingParams, logits_to_probs, sample_without_replacement
+
+from .errors import UserError
+from .fsutil import remove_stale_temps
+from .hw_profile import MeasuredProfile, load_measured
+
+TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
+DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFIX_TOKENS = 128
+DEFAULT_BUDGET_S = 120.0
+PROFILE_VERSION = 1
+
+
+def machine_name(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    name = f"{cpu} x{os.cpu_count()}"
+    if device.type == "cuda":
+        name += f" + {torch.cuda.get_device_name(device)}"
+    return name
+
+
+def profile_key(engine) -> str:
+    plan = engine.plan
+    ident = {"v": PROFILE_VERSION, "machine": machine_name(engine.model.device), "device": str(engine.model.device),
+             "dtype": str(engine.model.dtype), "target": engine.target_fingerprint, "draft": engine.draft_key,
+             "plan": [len(plan.resident_layers), len(plan.ram_layers), len(plan.disk_layers), plan.buffers]}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def profile_path(engine) -> Path:
+    from .default_model import cache_root
+    return cache_root() / "profiles" / f"{engine.folder.name}-{profile_key(engine)}.json"
+
+
+def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
+                       force: bool = False) -> tuple[MeasuredProfile, Path, bool]:
+    """(profile, its file, whether it was measured now)."""
+    path = profile_path(engine)
+    if path.exists() and not force:
+        try:
+            return load_measured(path), path, False
+        except UserError as e:
+            print(f"sequoia-offload: warning: {e}; measuring again", file=sys.stderr)
+    prof = measure(engine, budget_s, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent, f".{path.name}.tmp-*")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(prof.to_json())
+    os.replace(tmp, path)
+    return prof, path, True
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def h2d_pinned_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Host-to-device copy bandwidth from pinned memory, the median of `repeats` copies."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    times = []
+    for _ in range(repeats + 1):  # the first copy warms up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def disk_read_gbps(engine, max_bytes: int = 1 << 30) -> float:
+    """O_DIRECT read bandwidth of the disk-tier layers (up to `max_bytes` of them), through the
+    engine's own reader into a page-aligned buffer."""
+    from .layer_store import aligned_buffer
+    layers = engine.model.layers
+    reader, plan = layers.reader, engine.plan
+    buf = aligned_buffer(plan.layer_bytes)
+    picks = list(plan.disk_layers)[: max(1, max_bytes // plan.layer_bytes)]
+    t0 = time.perf_counter()
+    for i in picks:
+        reader.read(i, buf)
+    return len(picks) * plan.layer_bytes / (time.perf_counter() - t0) / 1e9
+
+
+def _tree_inputs(n: int, past: int, device: torch.device, generator: torch.Generator, vocab: int):
+    """n random tokens as a chain (the mask's shape does not change the work), after `past`."""
+    tokens = torch.randint(0, vocab, (n,), generator=generator).to(device)
+    mask = torch.cat([torch.ones(n, past, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
+    return tokens, torch.arange(past, past + n, device=device), mask.to(device)
+
+
+def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -> MeasuredProfile:
+    if engine.draft is None:
+        raise UserError("profiling needs a draft (--draft): it measures the draft's level time too")
+    started = time.perf_counter()
+    device, target, draft = engine.model.device, engine.model, engine.draft
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(0.6, 1.0)  # the sampled path, the costlier of the two
+    max_n = max(TARGET_WIDTHS)
+    plan = engine.plan
+    bar = tqdm(total=len(TARGET_WIDTHS) + len(DRAFT_WIDTHS) + 2, desc="profiling", unit="step",
+               disable=None if progress else True)
+    # 1. streaming bandwidth
+    if plan.streamed_layers and device.type == "cuda":
+        source, gbps = "h2d-pinned", h2d_pinned_gbps(min(max(plan.layer_bytes, 64 << 20), 1 << 30), device)
+    elif plan.disk_layers:
+        source, gbps = "o_direct-read", disk_read_gbps(engine)
+    else:
+        source, gbps = "none", 0.0
+    bar.update(1)
+    # 2. the target: a prefix, then passes of n new tokens over it (scratch slots, never committed)
+    prefix = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g)
+    cache = target.new_cache(PREFIX_TOKENS + max_n)
+    target.forward(prefix.to(device), torch.arange(PREFIX_TOKENS, device=device), cache, logits_rows=slice(0, 0))
+    cache.advance(PREFIX_TOKENS)
+    budget_left = lambda: budget_s - (time.perf_counter() - started)  # noqa: E731
+
+    def target_pass(n):
+        tokens, positions, mask = _tree_inputs(n, PREFIX_TOKENS, device, g, engine.config.vocab_size)
+        return lambda: logits_to_probs(target.forward(tokens, positions, cache, mask=mask), params).cpu()
+
+    _timed(target_pass(1), device)  # warm-up: first-touch allocations, kernel selection
+    ns, ts = [], []
+    for n in TARGET_WIDTHS:
+        if ns and n > engine.max_batch_tokens:
+            break
+        t = _timed(target_pass(n), device)
+        ns.append(n)
+        ts.append(t)
+        bar.update(1)
+        # stop when the next (wider, so slower) pass would overrun the budget
+        if len(ns) >= 2 and budget_left() < t * 2:
+            break
+    # 3. the draft: one level of w nodes: forward, probabilities, two children drawn for each
+    dcache = draft.new_cache(PREFIX_TOKENS + max(DRAFT_WIDTHS) + 1)
+    draft.forward(prefix.to(draft.device), torch.arange(PREFIX_TOKENS, device=draft.device), dcache,
+                  logits_rows=slice(0, 0))
+    dcache.advance(PREFIX_TOKENS)
+
+    def draft_level(w):
+        tokens, positions, mask = _tree_inputs(w, PREFIX_TOKENS, draft.device, g, engine.config.vocab_size)
+
+        def run():
+            logits = draft.forward(tokens, positions, dcache, mask=mask).cpu()
+            for row in logits:
+                sample_without_replacement(logits_to_probs(row, params), 2, g)
+        return run
+
+    _timed(draft_level(1), draft.device)
+    ws, dts = [], []
+    for w in DRAFT_WIDTHS:
+        reps = 3 if w <= 16 else 1
+        dts.append(min(_timed(draft_level(w), draft.device) for _ in range(reps)))
+        ws.append(w)
+        bar.update(1)
+        if budget_left() < 0 and len(ws) >= 2:
+            break
+    # 4. one real step of a (64, 8) tree, timed whole: what the parts above leave out
+    overhead = _step_overhead(engine, ns, ts, ws, dts, g)
+    bar.update(1)
+    bar.close()
+    return MeasuredProfile(
+        machine=machine_name(device), device=str(device), dtype=str(engine.model.dtype).replace("torch.", ""),
+        target=str(engine.folder), target_fingerprint=engine.target_fingerprint or "", draft_key=engine.draft_key or "",
+        plan={"resident_layers": len(plan.resident_layers), "ram_layers": len(plan.ram_layers),
+              "disk_layers": len(plan.disk_layers), "bytes_per_pass": plan.bytes_per_pass, "buffers": plan.buffers},
+        stream_source=source, stream_gb_per_s=gbps, prefix_tokens=PREFIX_TOKENS, target_tokens=tuple(ns),
+        target_pass_s=tuple(ts), draft_widths=tuple(ws), draft_level_s=tuple(dts), step_overhead_s=overhead,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        measure_s=time.perf_counter() - started)
+
+
+def _step_overhead(engine, ns, ts, ws, dts, g) -> float:
+    from sequoia_trees.dp import optimal_tree
+    from sequoia_trees.optimizer import Timings, evaluate
+
+    from .speculative import SpeculativeDecoder, TreeSpec
+    timings = Timings(tuple(ns), tuple(ts), tuple(ws), tuple(dts))
+    budget = min(64, ns[-1])
+    if budget < 2:
+        return 0.0
+    spec = TreeSpec("sequoia", budget, 8, acceptance=AcceptanceVector((0.5, 0.2, 0.1, 0.05)))
+    dec = SpeculativeDecoder(engine.model, engine.draft, spec, SamplingParams(0.6, 1.0), g, PREFIX_TOKENS + 16)
+    ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
+    dec.prefill(ids, engine.max_batch_tokens)
+    device = engine.model.device
+    whole = _timed(lambda: dec.step(ids[-1]), device)
+    predicted = evaluate(optimal_tree(spec.acceptance, budget, 8), timings)[0]
+    return max(0.0, whole - predicted)

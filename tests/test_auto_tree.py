@@ -1,0 +1,121 @@
+"""Hardware profiles and `--tree auto`: profile files are validated field by field; auto picks a
+plan from a (fake, fast) profile and still decodes exactly; a real profile is measured, cached
+and reused."""
+
+import json
+
+import pytest
+
+import offload_engine.auto_tree as auto_tree
+import offload_engine.profiler as profiler
+from offload_engine import Engine
+from offload_engine.cli import main
+from offload_engine.errors import UserError
+from offload_engine.hw_profile import GpuSpec, MeasuredProfile, from_dict, gpu_names, load_gpu_spec, load_measured
+from tiny_models import greedy_past_eos, make_tiny_checkpoint
+
+GOOD_GPU = {"kind": "gpu-spec", "name": "x", "description": "a GPU", "vram_gib": 24.0, "h2d_pinned_gb_per_s": 25.0,
+            "fp16_dense_tflops": 82.6, "mem_gb_per_s": 1008.0, "pcie": "4.0 x16",
+            "sources": {"vram_gib": "a", "h2d_pinned_gb_per_s": "b", "fp16_dense_tflops": "c", "mem_gb_per_s": "d"}}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"drop": "h2d_pinned_gb_per_s"}, "field 'h2d_pinned_gb_per_s' is missing"),
+    ({"h2d_pinned_gb_per_s": -3.0}, "field 'h2d_pinned_gb_per_s' must be positive"),
+    ({"vram_gib": 0}, "field 'vram_gib' must be positive"),
+    ({"vram_gib": "24 GB"}, "field 'vram_gib' must be a number"),
+    ({"drop": "vram_gib", "vram_gb": 24}, "field 'vram_gb' has the wrong unit: this field is 'vram_gib'"),
+    ({"h2d_pinned_mb_per_s": 25000}, "field 'h2d_pinned_mb_per_s' has the wrong unit"),
+    ({"colour": "green"}, "unknown field 'colour'"),
+    ({"kind": "measured"}, "field 'kind' is 'measured'"),
+])
+def test_profile_fields_are_checked_by_name(tmp_path, change, message):
+    data = dict(GOOD_GPU)
+    if "drop" in change:
+        del data[change.pop("drop")]
+    data.update(change)
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=message.replace("(", r"\(")) as e:
+        load_gpu_spec(path)
+    assert str(path) in str(e.value)
+
+
+def test_sources_are_required_and_shipped_specs_load(tmp_path):
+    data = dict(GOOD_GPU, sources={"vram_gib": "a"})
+    (tmp_path / "g.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match="no source for h2d_pinned_gb_per_s"):
+        load_gpu_spec(tmp_path / "g.json")
+    assert isinstance(from_dict(GpuSpec, GOOD_GPU, tmp_path / "x.json"), GpuSpec)
+    names = gpu_names()
+    assert {"rtx4090", "rtx3090", "rtx4080", "l40", "a100-40gb", "h100-pcie"} <= set(names)
+    for name in names:
+        spec = load_gpu_spec(name)
+        assert spec.vram_gib > 0 and spec.h2d_pinned_gb_per_s < spec.mem_gb_per_s
+
+
+def _fake_profile(engine, pass_s=1.0, draft_s=1e-4) -> MeasuredProfile:
+    ns = (1, 16, 64, 128)
+    ws = (1, 8, 64)
+    return MeasuredProfile(machine="fake", device="cpu", dtype="float32", target=str(engine.folder),
+                           target_fingerprint=engine.target_fingerprint, draft_key=engine.draft_key, plan={},
+                           stream_source="none", stream_gb_per_s=0.0, prefix_tokens=128, target_tokens=ns,
+                           target_pass_s=tuple(pass_s for _ in ns), draft_widths=ws,
+                           draft_level_s=tuple(draft_s for _ in ws), step_overhead_s=0.0, measured_at="now",
+                           measure_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto")
+    target = make_tiny_checkpoint(root / "t", "llama3-gqa", layers=2, seed=3, init_std=0.05)
+    return target
+
+
+def test_auto_with_a_fast_fake_profile_picks_a_plan_and_decodes_exactly(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine))
+    # a flat pass time and a nearly free draft: the deepest, widest tree the vector supports pays
+    # (the int8 copy of a tiny model agrees with it almost always at T=0: a long chain)
+    result, engine = greedy_past_eos(pair, "Hello", 24, draft="self-int8", tree="auto")
+    assert sorted(engine.auto_plans) == [0.0, 0.6]
+    plan = engine.auto_plans[0.0]
+    assert plan.choice.depth >= 16 and plan.choice.tokens_per_step > 8 and result.stats["tree"] == "sequoia"
+    assert result.stats["tree_budget"] == plan.choice.budget and result.stats["auto"]["budget"] == plan.choice.budget
+    assert result.token_ids == greedy_past_eos(pair, "Hello", 24)[0].token_ids
+    # with no stored vector, the pair's vectors were measured once into the cache, and reused
+    cached = sorted((tmp_path / "cache" / "sequoia-offload" / "acceptance").glob("*.json"))
+    assert sorted(json.loads(p.read_text())["temperature"] for p in cached) == [0.0, 0.6]
+    monkeypatch.setattr(auto_tree, "measure_and_cache", lambda *a: pytest.fail("measured again"))
+    # the profile is cached too: a second load measures nothing
+    monkeypatch.setattr(profiler, "measure", lambda *a, **k: pytest.fail("profiled again"))
+    again, _ = greedy_past_eos(pair, "Hello", 24, draft="self-int8", tree="auto", tree_budget=16)
+    assert again.token_ids == result.token_ids and again.stats["tree_budget"] <= 16  # the cap holds
+
+
+def test_auto_skips_a_draft_that_does_not_pay(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine, pass_s=0.001, draft_s=5.0))
+    result, engine = greedy_past_eos(pair, "Hello", 12, draft="self-int8", tree="auto")
+    assert all(p.choice.budget == 1 for p in engine.auto_plans.values())
+    assert result.stats["tree"] == "none" and result.token_ids == greedy_past_eos(pair, "Hello", 12)[0].token_ids
+
+
+def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "p.json"
+    args = ["profile", "--target", str(pair), "--device", "cpu", "--draft", "self-int4", "--draft-group-size", "32",
+            "--offload", "disk", "--budget-s", "30", "--out", str(out)]
+    assert main(args) == 0
+    prof = load_measured(out)
+    assert prof.stream_source == "o_direct-read" and prof.stream_gb_per_s > 0
+    assert prof.target_tokens[0] == 1 and len(prof.target_tokens) >= 2 and all(t > 0 for t in prof.target_pass_s)
+    assert prof.draft_widths[:2] == (1, 2) and prof.plan["disk_layers"] == 2
+    assert "measured:" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "cached:" in capsys.readouterr().out
+    bad = json.loads(out.read_text())
+    bad["target_pass_s"] = bad["target_pass_s"][:-1]
+    out.write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="differ in length"):
+        load_measured(out)
