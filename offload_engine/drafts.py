@@ -3,9 +3,9 @@
   * a checkpoint folder: any Llama-family model with the target's tokenizer, loaded resident;
   * "self-int8" / "self-int4": the target's own decoder layers quantised (see `quant.py`),
     resident, sharing the target's embeddings, final norm and head;
-  * "default": the distilled draft of the embedded default target. Its decoder layers and final
-    norm are committed under `benchmarks/drafts/smollm2-135m-instruct/` (with the command that
-    made them); its embeddings are the target's, frozen during distillation, so the first use
+  * "default": the distilled draft of the embedded default target. Its decoder layers (their
+    matrices as int8 with per-row scales) and final norm are committed under
+    `benchmarks/drafts/smollm2-135m-instruct/` (with the command that made them); its embeddings are the target's, frozen during distillation, so the first use
     rebuilds the full folder from the two into the cache folder.
 """
 
@@ -25,11 +25,12 @@ from .config import ModelConfig
 from .errors import UserError
 from .fsutil import remove_stale_temps
 from .model import Transformer
-from .quant import DEFAULT_GROUP_SIZE, QuantizedLinear, quantized_bytes
+from .quant import DEFAULT_GROUP_SIZE, QuantizedLinear, quantize_int8, quantized_bytes
 
 SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "benchmarks" / "drafts" / "smollm2-135m-instruct"
 LAYERS_FILE = "layers.safetensors"
+Q8_SUFFIX, SCALE_SUFFIX = ".int8", ".int8_scale"  # a committed int8 matrix and its per-row scales
 EMBED = "model.embed_tokens.weight"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -100,7 +101,7 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
         return folder
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(root, f".{DEFAULT_DRAFT.name}-*.tmp-*")
-    tensors = load_file(str(layers_path))
+    tensors = unpack_layers(load_file(str(layers_path)))
     dtype = next(iter(tensors.values())).dtype
     from .config import load_config
     cfg = load_config(target_folder)
@@ -128,20 +129,48 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
     return folder
 
 
-def pack_default_draft(distilled: Path, dest: Path = DEFAULT_DRAFT) -> None:
+def pack_default_draft(distilled: Path, dest: Path = DEFAULT_DRAFT, weights: str = "int8") -> None:
     """Write the committed form of a distilled draft: everything but the (target's) embeddings.
-    Only a draft at the target's hidden size has the target's (frozen) embeddings."""
+    Only a draft at the target's hidden size has the target's (frozen) embeddings. With
+    weights="int8" each projection matrix is stored as int8 with one scale per output channel
+    (`quant.quantize_int8`, error at most max|row|/254 per weight) and dequantised to the draft's
+    dtype when the folder is rebuilt; "same" stores them as they are."""
+    if weights not in ("int8", "same"):
+        raise ValueError(f"weights must be 'int8' or 'same', got {weights!r}")
     report = json.loads((distilled / "distill.json").read_text())
     if report["options"].get("hidden") not in (None, json.loads((Path(report["target"]) / "config.json").read_text())
                                                ["hidden_size"]):
         raise UserError(f"{distilled} was distilled at another hidden size: its embeddings are its own")
     tensors = load_file(str(distilled / "model.safetensors"))
     embed = tensors.pop(EMBED)
+    if weights == "int8":
+        packed = {}
+        for name, w in tensors.items():
+            if w.dim() == 2:
+                q, scale = quantize_int8(w)
+                packed[name + Q8_SUFFIX], packed[name + SCALE_SUFFIX] = q, scale
+            else:
+                packed[name] = w
+        tensors = packed
     dest.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dest / LAYERS_FILE), metadata={"format": "pt"})
     shutil.copyfile(distilled / "config.json", dest / "config.json")
     shutil.copyfile(distilled / "distill.json", dest / "distill.json")
-    (dest / "provenance.json").write_text(json.dumps({"embeddings_sha256": _digest(embed)}, indent=2) + "\n")
+    (dest / "provenance.json").write_text(json.dumps({"embeddings_sha256": _digest(embed), "weights": weights},
+                                                     indent=2) + "\n")
+
+
+def unpack_layers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The committed layers with int8 matrices dequantised to the dtype of the other tensors."""
+    dtype = next((w.dtype for n, w in tensors.items() if not n.endswith((Q8_SUFFIX, SCALE_SUFFIX))), torch.float32)
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith(Q8_SUFFIX):
+            base = name[:-len(Q8_SUFFIX)]
+            out[base] = (w.float() * tensors[base + SCALE_SUFFIX][:, None]).to(dtype)
+        elif not name.endswith(SCALE_SUFFIX):
+            out[name] = w
+    return out
 
 
 def _digest(t: torch.Tensor) -> str:

@@ -116,7 +116,8 @@ def evaluate(tree: TreePlan, timings: Timings) -> tuple[float, float, float, tup
 
 def candidates(timings: Timings, budgets: tuple[int, ...] | None = None) -> list[int]:
     """The budgets searched: the grid (and the measured widths) up to the largest measured one."""
-    grid = set(budgets if budgets is not None else DEFAULT_BUDGETS) | set(timings.target_tokens)
+    grid = set(budgets if budgets is not None else DEFAULT_BUDGETS)
+    grid |= {n for n in timings.target_tokens if n <= max(grid)}
     return sorted(n for n in grid if 1 <= n <= timings.target_tokens[-1])
 
 
