@@ -133,6 +133,31 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--budget-s", type=float, default=120.0,
                       help="time budget: wider target passes are skipped once it is spent (default 120)")
     prof.add_argument("--force", action="store_true", help="measure again even when a cached profile exists")
+    sim = sub.add_parser("simulate", help="predict speed on a GPU you may not have: placement, chosen tree, "
+                                         "tokens/step, s/token, speed-up over plain offloaded decoding")
+    sim.add_argument("--gpu", default=None, help="spec-sheet profile: rtx4090, rtx3090, rtx4080, l40, a100-40gb, "
+                                                 "h100-pcie, or a JSON file of the same form")
+    sim.add_argument("--profile", default=None, help="a measured profile (profile --out FILE) instead of --gpu: "
+                                                     "this machine's own timings")
+    sim.add_argument("--ram", default="64GiB", help="host RAM (default 64GiB; 8 GiB of it kept for the OS)")
+    sim.add_argument("--vram", default=None, help="device budget (default: the GPU's memory minus 1 GiB)")
+    sim.add_argument("--model", default="llama-2-70b", help="target shape preset (default llama-2-70b)")
+    sim.add_argument("--draft", default="llama-2-7b", help="draft shape preset, or 'none' (default llama-2-7b)")
+    sim.add_argument("--precision", default="fp16", choices=("fp16", "int8", "int4"),
+                     help="the target's weights as streamed (default fp16)")
+    sim.add_argument("--offload", default="auto", choices=("auto", "ram", "disk"),
+                     help="auto: as many layers resident as fit, the rest streamed; ram: every layer streamed")
+    sim.add_argument("--acceptance", default=None, help="acceptance vector JSON (default: the Sequoia paper's "
+                                                        "Llama3-70B/8B example vector, hw_profiles/published/)")
+    sim.add_argument("--tree", default=None, help="evaluate this tree N,D (nodes, levels) instead of choosing one")
+    sim.add_argument("--tokens-per-step", type=float, default=None,
+                     help="with --tree: the tokens per step to assume (e.g. a published figure)")
+    sim.add_argument("--max-budget", type=int, default=1024)
+    sim.add_argument("--max-depth", type=int, default=24)
+    sim.add_argument("--mfu", type=float, default=0.5, help="matmul efficiency assumed (default 0.5)")
+    sim.add_argument("--layer-overhead-ms", type=float, default=0.1, help="launch overhead per layer (default 0.1)")
+    sim.add_argument("--nvme-gbps", type=float, default=6.0, help="disk tier read GB/s (default 6)")
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
@@ -307,6 +332,36 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from . import simulator
+    from .hw_profile import load_measured
+    from .placement import parse_size
+    tree = None
+    if args.tree:
+        try:
+            n, d = (int(x) for x in args.tree.split(","))
+        except ValueError:
+            raise UserError(f"--tree {args.tree!r}: give nodes and levels as N,D, e.g. 768,18") from None
+        tree = (n, d)
+    if (args.gpu is None) == (args.profile is None):
+        raise UserError("give one of --gpu (a spec sheet) or --profile (a measured profile)")
+    for name in ("mfu", "layer_overhead_ms", "nvme_gbps"):
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.profile:
+        sim = simulator.simulate_measured(load_measured(Path(args.profile)), args.acceptance, tree,
+                                          args.tokens_per_step, args.max_budget, args.max_depth)
+    else:
+        a = simulator.Assumptions(mfu=args.mfu, layer_overhead_s=args.layer_overhead_ms / 1e3,
+                                  nvme_gb_per_s=args.nvme_gbps)
+        sim = simulator.simulate(args.gpu, parse_size(args.ram), args.model,
+                                 None if args.draft in (None, "none") else args.draft, args.precision,
+                                 args.acceptance, args.offload, parse_size(args.vram) if args.vram else None, tree,
+                                 args.tokens_per_step, args.max_budget, args.max_depth, a)
+    print(json.dumps(sim.as_dict(), indent=2) if args.json else sim.report())
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks import stream_bench
     return stream_bench.run(args)
@@ -367,7 +422,8 @@ def cmd_default_model(args: argparse.Namespace) -> int:
 
 COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "convert-gguf": cmd_convert,
             "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench,
-            "acceptance": cmd_acceptance, "distill": cmd_distill, "profile": cmd_profile}
+            "acceptance": cmd_acceptance, "distill": cmd_distill, "profile": cmd_profile,
+            "simulate": cmd_simulate}
 
 
 def main(argv: list[str] | None = None) -> int:

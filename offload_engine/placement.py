@@ -128,14 +128,15 @@ def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batc
 
 def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vram_bytes: int,
               ram_bytes: int, buffers: int = 2, max_context: int, max_batch_tokens: int,
-              draft_bytes: int = 0) -> PlacementPlan:
-    """Decide each layer's tier. Refuses, naming the numbers, a plan that cannot fit."""
+              draft_bytes: int = 0, layer_bytes: int | None = None) -> PlacementPlan:
+    """Decide each layer's tier. Refuses, naming the numbers, a plan that cannot fit.
+    `layer_bytes` overrides the packed layer size (the simulator's quantised weights)."""
     if offload not in OFFLOAD_MODES:
         raise UserError(f"--offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     if buffers < 1:
         raise UserError(f"--buffers must be at least 1, got {buffers}")
     L = cfg.num_layers
-    layer = LayerLayout.for_config(cfg, dtype).block_bytes
+    layer = layer_bytes if layer_bytes is not None else LayerLayout.for_config(cfg, dtype).block_bytes
     fixed = fixed_parts(cfg, dtype, max_context, max_batch_tokens, draft_bytes)
     need = sum(fixed.values())
     if offload == "none" or (offload == "auto" and need + L * layer <= vram_bytes):

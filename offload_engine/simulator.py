@@ -1,0 +1,222 @@
+"""How fast will a model run on a GPU and RAM I do not have? (`sequoia-offload simulate`)
+
+The same placement planner and optimizer as the real engine, fed timings from one of two places:
+  * a spec-sheet GPU profile (`hw_profiles/gpus/`) and model-shape presets (`hw_profiles/models/`):
+    timings are modelled (below);
+  * a measured profile (`sequoia-offload profile --out FILE`, `--profile FILE`): the machine's own
+    t_target(n), t_draft(w) and step overhead, as `--tree auto` uses them.
+
+The model of a target pass over n tokens, layer by layer (REFERENCES.md 3):
+  * a resident layer costs its compute: max(2 * params * n / (peak fp16 FLOP/s * mfu),
+    weight bytes / memory bandwidth) + a fixed per-layer kernel-launch overhead;
+  * a streamed layer (two device buffers, the next copy overlapping this compute) costs
+    max(its copy, its compute): copy = bytes / host-to-device bandwidth from pinned RAM, or
+    bytes / min(NVMe read, host-to-device) from disk;
+  * plus the head over n rows. A draft level of w nodes is a resident pass of the draft over w.
+`--precision int8|int4` streams (and keeps resident) the target's layers at that size (int4:
+groups of 64, scales and minima in fp16): only the bytes change; compute stays fp16.
+Assumptions, all flags: mfu 0.5, 0.1 ms per layer of launch overhead, NVMe 6 GB/s, a 1 ms step
+overhead, 8 GiB of host RAM kept for the OS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.dp import optimal_tree
+from sequoia_trees.optimizer import Choice, Timings, choose, evaluate
+
+from .checkpoint import global_shapes, layer_shapes
+from .config import ModelConfig
+from .errors import UserError
+from .hw_profile import PROFILES_DIR, GpuSpec, MeasuredProfile, load_gpu_spec, load_model_shape
+from .placement import DEVICE_MARGIN_BYTES, GIB, PlacementPlan, fmt_bytes, make_plan
+from .quant import quantized_bytes
+
+TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
+DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PRECISIONS = {"fp16": 2, "int8": 1, "int4": 0.5}
+PUBLISHED_DIR = PROFILES_DIR / "published"
+DEFAULT_ACCEPTANCE = PUBLISHED_DIR / "sequoia-paper__llama3-70b-instruct__llama3-8b-instruct__t0.json"
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    mfu: float = 0.5  # fraction of the peak fp16 throughput a layer's matmuls reach
+    layer_overhead_s: float = 1e-4  # kernel launches per decoder layer per pass
+    nvme_gb_per_s: float = 6.0
+    step_overhead_s: float = 1e-3
+    host_reserve_bytes: int = 8 * GIB
+    max_context: int = 2048
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(s) for s in layer_shapes(cfg).values())
+
+
+def layer_bytes(cfg: ModelConfig, precision: str) -> int:
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    total = 0
+    for name, shape in layer_shapes(cfg).items():
+        if len(shape) == 2 and precision != "fp16":
+            total += quantized_bytes(shape[0], shape[1], precision, 64)
+        else:
+            total += math.prod(shape) * 2
+    return total
+
+
+def model_bytes(cfg: ModelConfig, precision: str) -> int:
+    glob = sum(math.prod(s) for s in global_shapes(cfg).values()) * 2
+    return glob + cfg.num_layers * layer_bytes(cfg, precision)
+
+
+def _compute_s(params: int, weight_bytes: int, n: int, gpu: GpuSpec, a: Assumptions) -> float:
+    flops = 2.0 * params * n
+    return max(flops / (gpu.fp16_dense_tflops * 1e12 * a.mfu), weight_bytes / (gpu.mem_gb_per_s * 1e9))
+
+
+def _head_s(cfg: ModelConfig, n: int, gpu: GpuSpec, a: Assumptions) -> float:
+    p = cfg.vocab_size * cfg.hidden_size
+    return _compute_s(p, 2 * p, n, gpu, a) + a.layer_overhead_s
+
+
+def target_pass_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, n: int, gpu: GpuSpec,
+                  a: Assumptions) -> float:
+    params, lb = layer_params(cfg), layer_bytes(cfg, precision)
+    compute = _compute_s(params, lb, n, gpu, a) + a.layer_overhead_s
+    ram_copy = lb / (gpu.h2d_pinned_gb_per_s * 1e9)
+    disk_copy = lb / (min(a.nvme_gb_per_s, gpu.h2d_pinned_gb_per_s) * 1e9)
+    t = len(plan.resident_layers) * compute
+    t += len(plan.ram_layers) * max(ram_copy, compute) + len(plan.disk_layers) * max(disk_copy, compute)
+    return t + _head_s(cfg, n, gpu, a)
+
+
+def draft_level_s(cfg: ModelConfig, precision: str, w: int, gpu: GpuSpec, a: Assumptions) -> float:
+    compute = _compute_s(layer_params(cfg), layer_bytes(cfg, precision), w, gpu, a) + a.layer_overhead_s
+    return cfg.num_layers * compute + _head_s(cfg, w, gpu, a)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    setting: dict
+    plan: PlacementPlan | None
+    timings: Timings
+    acceptance: AcceptanceVector
+    acceptance_source: str
+    choice: Choice
+    plain_seconds_per_token: float
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_seconds_per_token / self.choice.seconds_per_token
+
+    def as_dict(self) -> dict:
+        c = self.choice
+        plan = None if self.plan is None else {
+            "resident_layers": len(self.plan.resident_layers), "ram_layers": len(self.plan.ram_layers),
+            "disk_layers": len(self.plan.disk_layers), "layer_bytes": self.plan.layer_bytes,
+            "bytes_per_pass": self.plan.bytes_per_pass, "vram_bytes": self.plan.vram_bytes,
+            "fixed_bytes": self.plan.fixed_bytes}
+        return {"setting": self.setting, "plan": plan, "acceptance": list(self.acceptance.probs),
+                "acceptance_source": self.acceptance_source,
+                "timings": dataclasses.asdict(self.timings),
+                "tree": {"budget": c.budget, "depth": c.depth, "level_widths": list(c.level_widths)},
+                "tokens_per_step": c.tokens_per_step, "seconds_per_step": c.seconds_per_step,
+                "target_seconds": c.target_seconds, "draft_seconds": c.draft_seconds,
+                "seconds_per_token": c.seconds_per_token, "tokens_per_second": c.tokens_per_second,
+                "plain_seconds_per_token": self.plain_seconds_per_token, "speedup": self.speedup}
+
+    def report(self) -> str:
+        c, s = self.choice, self.setting
+        lines = [f"setting: {', '.join(f'{k}={v}' for k, v in s.items())}"]
+        if self.plan is not None:
+            lines += ["", self.plan.table(), ""]
+        lines.append(f"acceptance: {self.acceptance_source}: p_1..p_8 = "
+                     f"[{', '.join(f'{p:.3f}' for p in self.acceptance.probs[:8])}]")
+        lines.append("t_target(n): " + ", ".join(f"{n}: {t:.3f} s" for n, t in
+                                                  zip(self.timings.target_tokens, self.timings.target_seconds)))
+        lines.append(f"chosen {c.describe()}")
+        lines.append(f"plain offloaded decoding: {self.plain_seconds_per_token:.3f} s/token; with the tree: "
+                     f"{c.seconds_per_token:.3f} s/token ({c.tokens_per_second:.2f} tokens/s), "
+                     f"{self.speedup:.2f}x faster")
+        return "\n".join(lines)
+
+
+def read_acceptance(path: str | Path | None) -> tuple[AcceptanceVector, str]:
+    p = Path(path) if path else DEFAULT_ACCEPTANCE
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+        vector = AcceptanceVector(tuple(data["acceptance"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{p}: not an acceptance vector ({e})") from None
+    note = f" ({data['note']})" if isinstance(data, dict) and data.get("note") else ""
+    return vector, f"{p.name}{note}"
+
+
+def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int, int] | None,
+                     tokens_per_step: float | None, max_budget: int, max_depth: int) -> Choice:
+    if tree is None:
+        if tokens_per_step is not None:
+            raise UserError("--tokens-per-step needs --tree N,D (a fixed tree whose tokens per step is known)")
+        budgets = tuple(n for n in TARGET_WIDTHS + (2, 4, 8, 12, 24, 48, 96, 192, 384, 640, 896) if n <= max_budget)
+        return choose(vector, timings, budgets=budgets, max_depth=max_depth)
+    n, d = tree
+    try:
+        plan_tree = optimal_tree(vector, n, d)
+    except ValueError as e:
+        raise UserError(f"--tree {n},{d}: {e}") from None
+    step, t_target, t_draft, widths = evaluate(plan_tree, timings)
+    value = tokens_per_step if tokens_per_step is not None else plan_tree.expected_tokens
+    return Choice(n, d, value, step, t_target, t_draft, widths, plan_tree)
+
+
+def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precision: str = "fp16",
+             acceptance: str | Path | None = None, offload: str = "auto", vram: int | None = None,
+             tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
+             max_budget: int = 1024, max_depth: int = 24, assumptions: Assumptions = Assumptions()) -> Simulation:
+    a = assumptions
+    spec = gpu if isinstance(gpu, GpuSpec) else load_gpu_spec(gpu)
+    _, cfg = load_model_shape(model)
+    draft_cfg = load_model_shape(draft)[1] if draft else None
+    if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
+        raise UserError(f"--draft {draft}: vocabulary of {draft_cfg.vocab_size} tokens, the target's has "
+                        f"{cfg.vocab_size}: a draft must share the target's tokenizer")
+    draft_b = model_bytes(draft_cfg, "fp16") if draft_cfg is not None else 0
+    vram_b = vram if vram is not None else spec.vram_bytes - DEVICE_MARGIN_BYTES
+    plan = make_plan(cfg, torch.float16, offload=offload, vram_bytes=vram_b,
+                     ram_bytes=max(0, ram - a.host_reserve_bytes), buffers=2, max_context=a.max_context,
+                     max_batch_tokens=max(TARGET_WIDTHS), draft_bytes=draft_b,
+                     layer_bytes=layer_bytes(cfg, precision))
+    t_target = tuple(target_pass_s(cfg, plan, precision, n, spec, a) for n in TARGET_WIDTHS)
+    t_draft = (tuple(draft_level_s(draft_cfg, "fp16", w, spec, a) for w in DRAFT_WIDTHS) if draft_cfg is not None
+               else tuple(math.inf for _ in DRAFT_WIDTHS))
+    timings = Timings(TARGET_WIDTHS, t_target, DRAFT_WIDTHS, t_draft, a.step_overhead_s)
+    vector, source = read_acceptance(acceptance)
+    if draft_cfg is None:
+        choice = choose(AcceptanceVector((0.0,)), Timings(TARGET_WIDTHS, t_target, (1,), (0.0,), a.step_overhead_s))
+    else:
+        choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
+    setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": model, "draft": draft, "precision": precision,
+               "offload": offload, **{k: v for k, v in dataclasses.asdict(a).items()}}
+    return Simulation(setting, plan, timings, vector, source, choice, t_target[0] + a.step_overhead_s)
+
+
+def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None,
+                      tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
+                      max_budget: int = 1024, max_depth: int = 24) -> Simulation:
+    """The prediction from a machine's measured profile (what `--tree auto` chooses there)."""
+    timings = profile.timings()
+    vector, source = read_acceptance(acceptance)
+    choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, min(max_budget, timings.target_tokens[-1]),
+                              max_depth)
+    setting = {"profile": profile.machine, "device": profile.device, "target": Path(profile.target).name,
+               "draft": profile.draft_key, "plan": profile.plan}
+    return Simulation(setting, None, timings, vector, source, choice, timings.target(1) + timings.step_seconds)

@@ -1,0 +1,79 @@
+"""The simulator: presets parse like checkpoints' configs, the modelled pass time is the copy
+time when streaming dominates (computed here by hand from the shapes), and its answers move the
+right way with RAM, precision and bandwidth."""
+
+import json
+
+import pytest
+
+from offload_engine import simulator
+from offload_engine.cli import main
+from offload_engine.errors import UserError
+from offload_engine.hw_profile import load_gpu_spec, load_model_shape, model_names
+
+GIB = 2**30
+
+
+def test_every_preset_parses_and_has_its_published_shape():
+    names = set(model_names())
+    assert {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-8b", "llama-3.1-70b",
+            "llama-3.2-1b", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b", "smollm2-135m"} <= names
+    for name in names:
+        shape, cfg = load_model_shape(name)
+        assert cfg.num_layers > 0 and cfg.vocab_size > 0, name
+    _, cfg = load_model_shape("llama-2-70b")
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.vocab_size) == (8192, 28672, 80, 64, 8, 32000)
+    with pytest.raises(UserError, match="no such preset"):
+        load_model_shape("llama-9-1t")
+
+
+def test_streamed_pass_is_the_copy_time_when_every_layer_streams():
+    # Llama-2-70B fp16, every layer from pinned RAM on an L40: per layer q,o 8192^2, k,v 1024x8192,
+    # gate/up/down 8192x28672, two norms of 8192, 2 bytes each
+    per_layer = (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672 + 2 * 8192) * 2
+    assert simulator.layer_bytes(load_model_shape("llama-2-70b")[1], "fp16") == per_layer
+    gpu = load_gpu_spec("l40")
+    sim = simulator.simulate("l40", 512 * GIB, "llama-2-70b", "llama-2-7b", offload="ram")
+    assert len(sim.plan.ram_layers) == 80 and not sim.plan.resident_layers and not sim.plan.disk_layers
+    copy = 80 * per_layer / (gpu.h2d_pinned_gb_per_s * 1e9)
+    assert sim.timings.target_seconds[0] == pytest.approx(copy, rel=0.01)  # the head adds well under 1%
+    # flat while the copy dominates: 1024 tokens cost little more than one
+    assert sim.timings.target_seconds[-1] < 1.02 * sim.timings.target_seconds[0]
+    assert sim.choice.budget >= 256 and sim.speedup > 3
+
+
+def test_answers_move_the_right_way():
+    base = simulator.simulate("rtx4090", 64 * GIB, "llama-2-70b", "llama-2-7b")
+    more_ram = simulator.simulate("rtx4090", 192 * GIB, "llama-2-70b", "llama-2-7b")
+    int4 = simulator.simulate("rtx4090", 64 * GIB, "llama-2-70b", "llama-2-7b", precision="int4")
+    assert base.plan.disk_layers and not more_ram.plan.disk_layers  # 64 GiB cannot hold 138 GB
+    assert more_ram.plain_seconds_per_token < base.plain_seconds_per_token
+    assert int4.plan.bytes_per_pass < 0.3 * base.plan.bytes_per_pass
+    assert int4.plain_seconds_per_token < more_ram.plain_seconds_per_token
+    for sim in (base, more_ram, int4):
+        assert sim.choice.seconds_per_token < sim.plain_seconds_per_token
+    no_draft = simulator.simulate("rtx4090", 192 * GIB, "llama-2-70b", None)
+    assert no_draft.choice.budget == 1 and no_draft.speedup == pytest.approx(1.0)
+    with pytest.raises(UserError, match="vocabulary"):
+        simulator.simulate("rtx4090", 192 * GIB, "llama-2-70b", "llama-3-8b")
+
+
+def test_fixed_tree_with_published_tokens_per_step():
+    sim = simulator.simulate("l40", 512 * GIB, "llama-2-70b", "llama-2-7b", offload="ram", tree=(768, 18),
+                             tokens_per_step=10.30)
+    assert (sim.choice.budget, sim.choice.depth, sim.choice.tokens_per_step) == (768, 18, 10.30)
+    assert sim.choice.seconds_per_token == pytest.approx(sim.choice.seconds_per_step / 10.30)
+
+
+def test_cli_json_and_errors(capsys):
+    assert main(["simulate", "--gpu", "rtx4090", "--ram", "64GiB", "--model", "llama-2-70b", "--draft",
+                 "llama-2-7b", "--precision", "int4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("plan", "tree", "tokens_per_step", "seconds_per_token", "plain_seconds_per_token", "speedup"):
+        assert key in out
+    assert out["setting"]["precision"] == "int4" and out["speedup"] > 1
+    assert main(["simulate", "--gpu", "gtx480"]) == 2
+    assert "no such profile" in capsys.readouterr().err
+    assert main(["simulate", "--gpu", "l40", "--tree", "768"]) == 2
+    assert "N,D" in capsys.readouterr().err
