@@ -38,8 +38,9 @@ class AutoPlan:
     temperature: float  # of the acceptance vector it was chosen for
     vector: AcceptanceVector
     source: str  # the vector's file name
+    source_path: Path | None
     choice: Choice
-    plain_seconds_per_token: float  # t_target(1) + step overhead: plain streamed decoding, predicted
+    plain_seconds_per_token: float  # t_target(1): plain streamed decoding, predicted
 
     @property
     def spec(self) -> TreeSpec:
@@ -110,8 +111,8 @@ def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MA
     plans = {}
     for t, (vector, path) in vectors.items():
         choice = choose(vector, timings, budgets=budgets, max_depth=max_depth)
-        plain = timings.target(1) + timings.step_seconds
-        plans[t] = AutoPlan(t, vector, Path(path).name, choice, plain)
+        plain = timings.target(1)
+        plans[t] = AutoPlan(t, vector, Path(path).name, Path(path) if Path(path).exists() else None, choice, plain)
     return plans
 
 

@@ -325,7 +325,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print("| draft level width | s |\n|---:|---:|")
     for w, t in zip(prof.draft_widths, prof.draft_level_s):
         print(f"| {w} | {t:.4f} |")
-    print(f"step overhead: {prof.step_overhead_s:.4f} s; measured in {prof.measure_s:.1f} s")
+    print(f"step residual (a real step minus its parts): {prof.step_residual_s:+.4f} s; measured in "
+          f"{prof.measure_s:.1f} s")
     if args.out:
         Path(args.out).write_text(prof.to_json())
         print(f"-> {args.out}")
@@ -343,13 +344,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         except ValueError:
             raise UserError(f"--tree {args.tree!r}: give nodes and levels as N,D, e.g. 768,18") from None
         tree = (n, d)
+    elif args.tokens_per_step is not None:
+        raise UserError("--tokens-per-step needs --tree N,D (a fixed tree whose tokens per step is known)")
     if (args.gpu is None) == (args.profile is None):
         raise UserError("give one of --gpu (a spec sheet) or --profile (a measured profile)")
     for name in ("mfu", "layer_overhead_ms", "nvme_gbps"):
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.profile:
-        sim = simulator.simulate_measured(load_measured(Path(args.profile)), args.acceptance, tree,
+        sim = simulator.simulate_measured(load_measured(Path(args.profile)), args.acceptance, 0.0, tree,
                                           args.tokens_per_step, args.max_budget, args.max_depth)
     else:
         a = simulator.Assumptions(mfu=args.mfu, layer_overhead_s=args.layer_overhead_ms / 1e3,

@@ -229,12 +229,14 @@ class Engine:
         """
         auto = tree == "auto"
         if auto:
-            cap_budget, cap_depth = tree_budget or AUTO_MAX_BUDGET, tree_depth or DEFAULT_MAX_DEPTH
+            cap_budget = AUTO_MAX_BUDGET if tree_budget is None else tree_budget
+            cap_depth = DEFAULT_MAX_DEPTH if tree_depth is None else tree_depth
             if cap_budget < 1 or cap_depth < 1:
                 raise UserError(f"--tree-budget and --tree-depth must be >= 1, got {cap_budget}, {cap_depth}")
             spec = TreeSpec("sequoia", cap_budget, cap_depth, specinfer_width, acceptance or GENERIC_ACCEPTANCE)
         else:
-            spec = _tree_spec(tree, tree_budget or 64, tree_depth or 8, specinfer_width, acceptance)
+            spec = _tree_spec(tree, 64 if tree_budget is None else tree_budget, 8 if tree_depth is None else tree_depth,
+                              specinfer_width, acceptance)
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
                    max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size)
         tokenizer = Tokenizer.from_folder(s.folder)

@@ -72,28 +72,38 @@ class MeasuredProfile:
     target_pass_s: tuple[float, ...]
     draft_widths: tuple[int, ...]
     draft_level_s: tuple[float, ...]
-    step_overhead_s: float
+    step_residual_s: float  # a real step minus its parts' prediction (negative: overlap)
     measured_at: str
     measure_s: float
     kind: str = "measured"
 
     def timings(self):
+        """The optimizer's input: times made non-decreasing in width (a wider pass is never
+        cheaper; a noisy dip would otherwise be chosen)."""
+        from itertools import accumulate
+
         from sequoia_trees.optimizer import Timings
-        return Timings(tuple(self.target_tokens), tuple(self.target_pass_s), tuple(self.draft_widths),
-                       tuple(self.draft_level_s), self.step_overhead_s)
+        return Timings(tuple(self.target_tokens), tuple(accumulate(self.target_pass_s, max)),
+                       tuple(self.draft_widths), tuple(accumulate(self.draft_level_s, max)), self.step_residual_s)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
 
-# numeric fields that may be zero (a measured overhead); every other number must be > 0
-_MAY_BE_ZERO = {"step_overhead_s", "stream_gb_per_s", "measure_s"}
+# numeric fields that may be zero; one that may be negative; every other number must be > 0
+_MAY_BE_ZERO = {"stream_gb_per_s", "measure_s"}
+_SIGNED = {"step_residual_s"}
 
 
 def _check_number(path: Path, key: str, value: Any, unit: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"{path}: field {key!r} must be a number (in {unit.lstrip('_').replace('_', ' ')}), "
                         f"got {value!r}")
+    value = float(value) if abs(value) < 1e300 else math.inf
+    if key in _SIGNED:
+        if not math.isfinite(value):
+            raise UserError(f"{path}: field {key!r} must be a finite number, got {value}")
+        return value
     if not math.isfinite(value) or value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
         raise UserError(f"{path}: field {key!r} must be {'>= 0' if key in _MAY_BE_ZERO else 'positive'}, "
                         f"got {value}")
@@ -121,8 +131,11 @@ def from_dict(cls, data: Any, path: Path):
             raise UserError(f"{path}: field {name!r} is missing")
         value = data[name]
         unit = _stem(name)[1]
+        is_list = str(f.type).startswith("tuple")
+        if is_list and not isinstance(value, list):
+            raise UserError(f"{path}: field {name!r} must be a list, got {value!r}")
         if unit:
-            if isinstance(value, list):
+            if is_list:
                 value = tuple(_check_number(path, name, v, unit) for v in value)
                 if not value:
                     raise UserError(f"{path}: field {name!r} is empty")

@@ -8,8 +8,9 @@ For one loaded engine (target placed by its plan, draft resident) it measures:
     TARGET_WIDTHS, stopping early when the time budget is spent (then the optimizer searches
     only the widths measured);
   * t_draft(w): one draft level of w nodes (forward, probabilities and children drawn for each);
-  * step overhead: one real speculation step of a (64, 8) tree, timed whole, minus what the
-    three parts above predict for it (commit, verification walk, bookkeeping); at least 0.
+  * the step residual: one real speculation step of a (64, 8) tree, timed whole, minus what the
+    two parts above predict for it (verification walk and commits add; the loader prefetching
+    the next pass's first layers while the draft runs takes away), so it may be negative.
 
 The profile is cached under <cache>/profiles/, keyed by the machine, the device and dtype, the
 pair's fingerprints and the placement plan: another plan is another machine as far as timing goes.
@@ -36,6 +37,7 @@ from sequoia_trees.sampling import SamplingParams, logits_to_probs, sample_witho
 from .errors import UserError
 from .fsutil import remove_stale_temps
 from .hw_profile import MeasuredProfile, load_measured
+from .placement import fmt_bytes
 
 TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -155,7 +157,11 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
                disable=None if progress else True)
     # 1. streaming bandwidth
     if plan.streamed_layers and device.type == "cuda":
-        source, gbps = "h2d-pinned", h2d_pinned_gbps(min(max(plan.layer_bytes, 64 << 20), 1 << 30), device)
+        try:
+            source, gbps = "h2d-pinned", h2d_pinned_gbps(min(plan.layer_bytes, 256 << 20), device)
+        except torch.cuda.OutOfMemoryError:
+            raise UserError("profile: no room on the device for a bandwidth test buffer "
+                            f"({fmt_bytes(min(plan.layer_bytes, 256 << 20))}); lower --vram") from None
     elif plan.disk_layers:
         source, gbps = "o_direct-read", disk_read_gbps(engine)
     else:
@@ -166,24 +172,33 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     cache = target.new_cache(PREFIX_TOKENS + max_n)
     target.forward(prefix.to(device), torch.arange(PREFIX_TOKENS, device=device), cache, logits_rows=slice(0, 0))
     cache.advance(PREFIX_TOKENS)
-    budget_left = lambda: budget_s - (time.perf_counter() - started)  # noqa: E731
 
     def target_pass(n):
         tokens, positions, mask = _tree_inputs(n, PREFIX_TOKENS, device, g, engine.config.vocab_size)
         return lambda: logits_to_probs(target.forward(tokens, positions, cache, mask=mask), params).cpu()
 
     _timed(target_pass(1), device)  # warm-up: first-touch allocations, kernel selection
-    ns, ts = [], []
-    for n in TARGET_WIDTHS:
-        if ns and n > engine.max_batch_tokens:
+    # the narrowest and the widest pass first, then the widths between (the most informative
+    # first), so that a budget spent early still spans the whole range (the optimizer only
+    # searches measured widths, interpolating between them); a pass under 0.5 s is repeated and
+    # its minimum kept, the same rule for every width
+    widths = [n for n in TARGET_WIDTHS if n <= engine.max_batch_tokens]
+    order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 64, 256, 768, 32) if n in widths[1:-1]]
+    target_budget = budget_s * 0.75
+    measured: dict[int, float] = {}
+    for n in order:
+        if len(measured) >= 2 and time.perf_counter() - started > target_budget:
             break
         t = _timed(target_pass(n), device)
-        ns.append(n)
-        ts.append(t)
+        if t < 0.5:
+            t = min(t, _timed(target_pass(n), device))
+        measured[n] = t
         bar.update(1)
-        # stop when the next (wider, so slower) pass would overrun the budget
-        if len(ns) >= 2 and budget_left() < t * 2:
-            break
+    ns, ts = sorted(measured), [measured[n] for n in sorted(measured)]
+    if ns[-1] < widths[-1]:
+        print(f"sequoia-offload: warning: the profile's time budget ({budget_s:g} s) ran out before a "
+              f"{widths[-1]}-token pass; trees above {ns[-1]} nodes will not be considered "
+              "(profile --force --budget-s S measures again)", file=sys.stderr)
     # 3. the draft: one level of w nodes: forward, probabilities, two children drawn for each
     dcache = draft.new_cache(PREFIX_TOKENS + max(DRAFT_WIDTHS) + 1)
     draft.forward(prefix.to(draft.device), torch.arange(PREFIX_TOKENS, device=draft.device), dcache,
@@ -200,16 +215,19 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
         return run
 
     _timed(draft_level(1), draft.device)
-    ws, dts = [], []
-    for w in DRAFT_WIDTHS:
-        reps = 3 if w <= 16 else 1
-        dts.append(min(_timed(draft_level(w), draft.device) for _ in range(reps)))
-        ws.append(w)
-        bar.update(1)
-        if budget_left() < 0 and len(ws) >= 2:
+    dmeasured: dict[int, float] = {}
+    draft_started = time.perf_counter()
+    for w in (1, 256, 16, 64, 4, 128, 32, 8, 2):  # the draft is resident: its own quarter of the budget
+        if len(dmeasured) >= 2 and time.perf_counter() - draft_started > budget_s * 0.25:
             break
+        t = _timed(draft_level(w), draft.device)
+        if t < 0.5:
+            t = min(t, _timed(draft_level(w), draft.device))
+        dmeasured[w] = t
+        bar.update(1)
+    ws, dts = sorted(dmeasured), [dmeasured[w] for w in sorted(dmeasured)]
     # 4. one real step of a (64, 8) tree, timed whole: what the parts above leave out
-    overhead = _step_overhead(engine, ns, ts, ws, dts, g)
+    residual = _step_residual(engine, ns, ts, ws, dts, g)
     bar.update(1)
     bar.close()
     return MeasuredProfile(
@@ -218,12 +236,15 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
         plan={"resident_layers": len(plan.resident_layers), "ram_layers": len(plan.ram_layers),
               "disk_layers": len(plan.disk_layers), "bytes_per_pass": plan.bytes_per_pass, "buffers": plan.buffers},
         stream_source=source, stream_gb_per_s=gbps, prefix_tokens=PREFIX_TOKENS, target_tokens=tuple(ns),
-        target_pass_s=tuple(ts), draft_widths=tuple(ws), draft_level_s=tuple(dts), step_overhead_s=overhead,
+        target_pass_s=tuple(ts), draft_widths=tuple(ws), draft_level_s=tuple(dts), step_residual_s=residual,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         measure_s=time.perf_counter() - started)
 
 
-def _step_overhead(engine, ns, ts, ws, dts, g) -> float:
+def _step_residual(engine, ns, ts, ws, dts, g) -> float:
+    """A real (64, 8) step timed whole, minus what t_target and t_draft predict for it: the
+    verification walk and cache commits (+), and the loader prefetching the next pass's first
+    layers while the draft runs (-)."""
     from sequoia_trees.dp import optimal_tree
     from sequoia_trees.optimizer import Timings, evaluate
 
@@ -237,6 +258,6 @@ def _step_overhead(engine, ns, ts, ws, dts, g) -> float:
     ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
     dec.prefill(ids, engine.max_batch_tokens)
     device = engine.model.device
-    whole = _timed(lambda: dec.step(ids[-1]), device)
+    whole = min(_timed(lambda: dec.step(ids[-1]), device) for _ in range(2))
     predicted = evaluate(optimal_tree(spec.acceptance, budget, 8), timings)[0]
-    return max(0.0, whole - predicted)
+    return whole - predicted

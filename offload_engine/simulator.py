@@ -16,7 +16,7 @@ The model of a target pass over n tokens, layer by layer (REFERENCES.md 3):
 `--precision int8|int4` streams (and keeps resident) the target's layers at that size (int4:
 groups of 64, scales and minima in fp16): only the bytes change; compute stays fp16.
 Assumptions, all flags: mfu 0.5, 0.1 ms per layer of launch overhead, NVMe 6 GB/s, a 1 ms step
-overhead, 8 GiB of host RAM kept for the OS.
+overhead per speculation step, 8 GiB of host RAM kept for the OS.
 """
 
 from __future__ import annotations
@@ -163,12 +163,20 @@ def read_acceptance(path: str | Path | None) -> tuple[AcceptanceVector, str]:
 
 def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int, int] | None,
                      tokens_per_step: float | None, max_budget: int, max_depth: int) -> Choice:
+    if max_budget < 1 or max_depth < 1:
+        raise UserError(f"--max-budget and --max-depth must be >= 1, got {max_budget}, {max_depth}")
     if tree is None:
         if tokens_per_step is not None:
             raise UserError("--tokens-per-step needs --tree N,D (a fixed tree whose tokens per step is known)")
-        budgets = tuple(n for n in TARGET_WIDTHS + (2, 4, 8, 12, 24, 48, 96, 192, 384, 640, 896) if n <= max_budget)
+        from .auto_tree import _grid
+        budgets = tuple(n for n in _grid(max_budget) if n <= max_budget)
         return choose(vector, timings, budgets=budgets, max_depth=max_depth)
     n, d = tree
+    widest = timings.target_tokens[-1]
+    if not (2 <= n <= widest and d >= 2):
+        raise UserError(f"--tree {n},{d}: give 2..{widest} nodes and at least 2 levels")
+    if tokens_per_step is not None and not 1 <= tokens_per_step <= n:
+        raise UserError(f"--tokens-per-step {tokens_per_step}: a step of {n} nodes makes 1..{n} tokens")
     try:
         plan_tree = optimal_tree(vector, n, d)
     except ValueError as e:
@@ -196,27 +204,44 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precis
                      max_batch_tokens=max(TARGET_WIDTHS), draft_bytes=draft_b,
                      layer_bytes=layer_bytes(cfg, precision))
     t_target = tuple(target_pass_s(cfg, plan, precision, n, spec, a) for n in TARGET_WIDTHS)
-    t_draft = (tuple(draft_level_s(draft_cfg, "fp16", w, spec, a) for w in DRAFT_WIDTHS) if draft_cfg is not None
-               else tuple(math.inf for _ in DRAFT_WIDTHS))
-    timings = Timings(TARGET_WIDTHS, t_target, DRAFT_WIDTHS, t_draft, a.step_overhead_s)
     vector, source = read_acceptance(acceptance)
-    if draft_cfg is None:
-        choice = choose(AcceptanceVector((0.0,)), Timings(TARGET_WIDTHS, t_target, (1,), (0.0,), a.step_overhead_s))
+    if draft_cfg is None:  # plain offloaded decoding only
+        if tree is not None or tokens_per_step is not None:
+            raise UserError("--tree and --tokens-per-step need a draft (--draft NAME)")
+        timings = Timings(TARGET_WIDTHS, t_target, (1,), (0.0,), a.step_overhead_s)
+        vector, source = AcceptanceVector((0.0,)), "none (no draft)"
+        choice = choose(vector, timings)
     else:
+        t_draft = tuple(draft_level_s(draft_cfg, "fp16", w, spec, a) for w in DRAFT_WIDTHS)
+        timings = Timings(TARGET_WIDTHS, t_target, DRAFT_WIDTHS, t_draft, a.step_overhead_s)
         choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
     setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": model, "draft": draft, "precision": precision,
                "offload": offload, **{k: v for k, v in dataclasses.asdict(a).items()}}
-    return Simulation(setting, plan, timings, vector, source, choice, t_target[0] + a.step_overhead_s)
+    return Simulation(setting, plan, timings, vector, source, choice, t_target[0])
 
 
-def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None,
+def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, temperature: float = 0.0,
                       tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
                       max_budget: int = 1024, max_depth: int = 24) -> Simulation:
-    """The prediction from a machine's measured profile (what `--tree auto` chooses there)."""
+    """The prediction from a machine's measured profile: what `--tree auto` chooses there, with
+    the pair's own vector (stored or cached, found by the profile's fingerprints, the one nearest
+    `temperature`) unless `acceptance` names a file."""
     timings = profile.timings()
-    vector, source = read_acceptance(acceptance)
+    if acceptance is not None:
+        vector, source = read_acceptance(acceptance)
+    else:
+        from .acceptance_store import nearest, stored_vectors
+        from .auto_tree import acceptance_cache_dir
+        found = stored_vectors(profile.target_fingerprint, profile.draft_key)
+        for t, v in stored_vectors(profile.target_fingerprint, profile.draft_key, acceptance_cache_dir()).items():
+            found.setdefault(t, v)
+        if not found:
+            raise UserError(f"no acceptance vector is stored for the profile's pair ({Path(profile.target).name}, "
+                            f"{profile.draft_key}): give --acceptance FILE")
+        vector, path, _ = nearest(found, temperature)
+        source = path.name
     choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, min(max_budget, timings.target_tokens[-1]),
                               max_depth)
     setting = {"profile": profile.machine, "device": profile.device, "target": Path(profile.target).name,
                "draft": profile.draft_key, "plan": profile.plan}
-    return Simulation(setting, None, timings, vector, source, choice, timings.target(1) + timings.step_seconds)
+    return Simulation(setting, None, timings, vector, source, choice, timings.target(1))

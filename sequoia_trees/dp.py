@@ -73,6 +73,8 @@ class TreeTable:
 
     def value(self, budget: int, depth: int) -> float:
         """G(budget, depth): expected tokens per step of the best tree (-inf when none fits)."""
+        if not (1 <= budget <= self.max_budget and 1 <= depth <= self.max_depth):
+            raise ValueError(f"({budget}, {depth}) is outside the table ({self.max_budget}, {self.max_depth})")
         return float(self.G[budget, depth])
 
     def tree(self, budget: int, depth: int) -> TreePlan:

@@ -15,6 +15,7 @@ target width are not considered (no extrapolation). Numbers in, numbers out: the
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from .acceptance import AcceptanceVector
@@ -44,8 +45,9 @@ def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
 @dataclass(frozen=True)
 class Timings:
     """Seconds of one target pass over n tokens (after a prefix), of one draft level of w nodes
-    (forward and drawing the children), and a fixed cost per step (verification bookkeeping,
-    cache commits); widths strictly increasing."""
+    (forward and drawing the children), and a fixed correction per speculation step (positive:
+    verification and commits; negative: the next pass's first layers loading while the draft
+    runs); widths strictly increasing. Plain decoding costs target(1), no correction."""
 
     target_tokens: tuple[int, ...]
     target_seconds: tuple[float, ...]
@@ -62,8 +64,8 @@ class Timings:
                 raise ValueError(f"{name} widths must be >= 1 and strictly increasing, got {xs}")
             if any(not (y >= 0) for y in ys):
                 raise ValueError(f"{name} times must be >= 0, got {ys}")
-        if not self.step_seconds >= 0:
-            raise ValueError(f"step_seconds must be >= 0, got {self.step_seconds}")
+        if not math.isfinite(self.step_seconds):
+            raise ValueError(f"step_seconds must be finite, got {self.step_seconds}")
 
     def target(self, n: int) -> float:
         return interpolate(self.target_tokens, self.target_seconds, n)
@@ -111,7 +113,8 @@ def evaluate(tree: TreePlan, timings: Timings) -> tuple[float, float, float, tup
     widths = level_widths(tree)
     t_target = timings.target(tree.size)
     t_draft = sum(timings.draft(w) for w in widths)
-    return t_target + t_draft + timings.step_seconds, t_target, t_draft, widths
+    # never shorter than its own target pass, whatever the correction
+    return max(t_target, t_target + t_draft + timings.step_seconds), t_target, t_draft, widths
 
 
 def candidates(timings: Timings, budgets: tuple[int, ...] | None = None) -> list[int]:
@@ -128,7 +131,7 @@ def choose(acceptance: AcceptanceVector, timings: Timings, budgets: tuple[int, .
     ns = candidates(timings, budgets)
     table = table or TreeTable(acceptance, max(ns), max_depth)
     plain = TreePlan((-1,), (0,), (0,), 1.0)
-    best = Choice(1, 1, 1.0, timings.target(1) + timings.step_seconds, timings.target(1), 0.0, (1,), plain)
+    best = Choice(1, 1, 1.0, timings.target(1), timings.target(1), 0.0, (1,), plain)
     for n in ns:
         if n == 1:
             continue

@@ -8,7 +8,6 @@ import pytest
 
 import offload_engine.auto_tree as auto_tree
 import offload_engine.profiler as profiler
-from offload_engine import Engine
 from offload_engine.cli import main
 from offload_engine.errors import UserError
 from offload_engine.hw_profile import GpuSpec, MeasuredProfile, from_dict, gpu_names, load_gpu_spec, load_measured
@@ -61,7 +60,7 @@ def _fake_profile(engine, pass_s=1.0, draft_s=1e-4) -> MeasuredProfile:
                            target_fingerprint=engine.target_fingerprint, draft_key=engine.draft_key, plan={},
                            stream_source="none", stream_gb_per_s=0.0, prefix_tokens=128, target_tokens=ns,
                            target_pass_s=tuple(pass_s for _ in ns), draft_widths=ws,
-                           draft_level_s=tuple(draft_s for _ in ws), step_overhead_s=0.0, measured_at="now",
+                           draft_level_s=tuple(draft_s for _ in ws), step_residual_s=0.0, measured_at="now",
                            measure_s=0.0)
 
 
@@ -114,8 +113,18 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
     assert "measured:" in capsys.readouterr().out
     assert main(args) == 0
     assert "cached:" in capsys.readouterr().out
-    bad = json.loads(out.read_text())
-    bad["target_pass_s"] = bad["target_pass_s"][:-1]
-    out.write_text(json.dumps(bad))
-    with pytest.raises(UserError, match="differ in length"):
-        load_measured(out)
+    good = json.loads(out.read_text())
+    for change, message in (({"target_pass_s": good["target_pass_s"][:-1]}, "differ in length"),
+                            ({"target_pass_s": 1.0}, "'target_pass_s' must be a list"),
+                            ({"stream_gb_per_s": [1.0]}, "'stream_gb_per_s' must be a number"),
+                            ({"draft_widths": [1, "2"]}, "'draft_widths' must be a list of positive whole"),
+                            ({"prefix_tokens": 0}, "'prefix_tokens' must be a positive whole number"),
+                            ({"step_residual_s": 1e400}, "must be a finite number")):
+        out.write_text(json.dumps({**good, **change}).replace("Infinity", "1e400"))
+        with pytest.raises(UserError, match=message):
+            load_measured(out)
+    # a damaged cached profile is measured again (with a warning), not a crash
+    cached = next((tmp_path / "cache" / "sequoia-offload" / "profiles").glob("*.json"))
+    cached.write_text("{not json")
+    assert main(args) == 0
+    assert "measured:" in capsys.readouterr().out

@@ -19,7 +19,7 @@ def _vector(rng: random.Random, width: int) -> AcceptanceVector:
 
 def _brute_force(v: AcceptanceVector, tm: Timings, budgets, max_depth):
     """Every (n, d) on the grid: its optimal tree from a fresh DP, costed by hand."""
-    best = (tm.target_seconds[0] + tm.step_seconds, 1, 1)  # plain decoding: (s/token, n, d)
+    best = (tm.target_seconds[0], 1, 1)  # plain decoding: (s/token, n, d)
     for n in budgets:
         for d in range(2, max_depth + 1):
             try:
@@ -29,7 +29,7 @@ def _brute_force(v: AcceptanceVector, tm: Timings, budgets, max_depth):
             levels = {}
             for depth in tree.depths:
                 levels[depth] = levels.get(depth, 0) + 1
-            step = tm.target(n) + sum(tm.draft(w) for w in levels.values()) + tm.step_seconds
+            step = max(tm.target(n), tm.target(n) + sum(tm.draft(w) for w in levels.values()) + tm.step_seconds)
             value = tree_value(tree, v)
             assert value == pytest.approx(tree.expected_tokens)
             if step / value < best[0] * (1 - 1e-12):
@@ -46,7 +46,7 @@ def test_choice_is_the_brute_force_best_over_the_grid(seed):
     slope = base * rng.choice([0.0005, 0.005, 0.05])
     draft1 = base * rng.uniform(0.005, 0.2)
     tm = Timings(ns, tuple(base + slope * n for n in ns), WIDTHS,
-                 tuple(draft1 * (1 + 0.02 * w) for w in WIDTHS), step_seconds=base * rng.uniform(0, 0.05))
+                 tuple(draft1 * (1 + 0.02 * w) for w in WIDTHS), step_seconds=base * rng.uniform(-0.05, 0.05))
     budgets = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     c = choose(v, tm, budgets=budgets, max_depth=8)
     s_per_token, n, d = _brute_force(v, tm, [b for b in budgets if b <= 64], 8)
@@ -86,5 +86,7 @@ def test_interpolation_and_timings_validation():
         Timings((16, 1), (1.0, 1.0), (1,), (0.1,))
     with pytest.raises(ValueError, match=">= 0"):
         Timings((1,), (-1.0,), (1,), (0.1,))
+    with pytest.raises(ValueError, match="finite"):
+        Timings((1,), (1.0,), (1,), (0.1,), step_seconds=float("nan"))
     tm = Timings((1, 64), (1.0, 2.0), (1, 8), (0.1, 0.2))
     assert tm.draft(16) == pytest.approx(0.4)  # wider than measured: two slices of the widest

@@ -63,6 +63,16 @@ def test_fixed_tree_with_published_tokens_per_step():
     sim = simulator.simulate("l40", 512 * GIB, "llama-2-70b", "llama-2-7b", offload="ram", tree=(768, 18),
                              tokens_per_step=10.30)
     assert (sim.choice.budget, sim.choice.depth, sim.choice.tokens_per_step) == (768, 18, 10.30)
+    # the step: one target pass over 768 tokens, then one draft pass per level of the tree
+    # (the level widths counted here from the tree's depths), plus the assumed 1 ms
+    gpu, a = load_gpu_spec("l40"), simulator.Assumptions()
+    _, cfg = load_model_shape("llama-2-70b")
+    _, dcfg = load_model_shape("llama-2-7b")
+    widths = [sim.choice.tree.depths.count(level) for level in range(18)]
+    assert sum(widths) == 768 and widths[0] == 1
+    draft = sum(simulator.draft_level_s(dcfg, "fp16", w, gpu, a) for w in widths)
+    step = simulator.target_pass_s(cfg, sim.plan, "fp16", 768, gpu, a) + draft + 1e-3
+    assert sim.choice.seconds_per_step == pytest.approx(step, rel=0.02)  # level times interpolated
     assert sim.choice.seconds_per_token == pytest.approx(sim.choice.seconds_per_step / 10.30)
 
 
@@ -75,5 +85,14 @@ def test_cli_json_and_errors(capsys):
     assert out["setting"]["precision"] == "int4" and out["speedup"] > 1
     assert main(["simulate", "--gpu", "gtx480"]) == 2
     assert "no such profile" in capsys.readouterr().err
-    assert main(["simulate", "--gpu", "l40", "--tree", "768"]) == 2
-    assert "N,D" in capsys.readouterr().err
+    for bad, message in ((["--tree", "768"], "N,D"), (["--tree", "2048,20"], "2..1024 nodes"),
+                         (["--tree", "768,18", "--tokens-per-step", "0"], "makes 1..768 tokens"),
+                         (["--tokens-per-step", "3"], "needs --tree"), (["--max-budget", "0"], "must be >= 1"),
+                         (["--draft", "none", "--tree", "64,8"], "need a draft"),
+                         (["--profile", "x.json"], "one of --gpu")):
+        assert main(["simulate", "--gpu", "l40", *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (bad, err)
+    assert main(["simulate", "--gpu", "rtx3090", "--ram", "256GiB", "--draft", "none", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)  # strict JSON: no Infinity
+    assert plain["tree"]["budget"] == 1 and plain["speedup"] == pytest.approx(1.0)

@@ -1,0 +1,106 @@
+"""Does the simulator predict real speed? Two checks, each within 15%:
+
+(a) this machine: the simulator fed this machine's measured profile (target disk-streamed,
+    draft resident, the profile `--tree auto` uses) and the pair's stored acceptance vector
+    predicts the seconds per token of real runs with `--tree auto` (greedy, T=0), measured here
+    over `--prompts` prompts of benchmarks/prompts.jsonl (decode time only: prefill excluded, as
+    the prediction is per decoding step);
+(b) the Sequoia paper's L40 setting: Llama-2-70B fp16 streamed from pinned RAM (every layer, as
+    in the paper's offloading runs), a Llama-2-7B draft, tree (768, 18) at the paper's 10.30
+    tokens/step (T=0): the predicted seconds per token against the published 0.66 (and plain
+    offloaded decoding against the published 5.7 s/token).
+
+    python benchmarks/validate_simulator.py [--prompts 8] [--max-new-tokens 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TOLERANCE = 0.15
+PAPER = {"seconds_per_token": 0.66, "plain_seconds_per_token": 5.7, "tokens_per_step": 10.30, "tree": (768, 18)}
+
+
+def check_machine(args) -> dict:
+    from offload_engine import Engine, profiler, simulator
+    from offload_engine.measure import read_prompts
+    engine = Engine.load("default", device="cpu", offload="disk", draft=args.draft, tree="auto", progress=True)
+    prof, path, _ = profiler.cached_or_measured(engine, progress=True)
+    plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
+    sim = simulator.simulate_measured(prof, None, 0.0)  # the pair's vector, found as auto finds it
+    prompts = read_prompts(ROOT / "benchmarks" / "prompts.jsonl")[: args.prompts]
+    decode_s = tokens = steps = 0
+    for item in prompts:
+        r = engine.generate(**item, max_new_tokens=args.max_new_tokens, temperature=0.0)
+        s = r.stats
+        decode_s += s["seconds"] - s["prefill_seconds"]
+        tokens += s["new_tokens"] - 1  # the first token comes from the prefill
+        steps += s["target_steps"]
+    measured = decode_s / tokens
+    predicted = sim.choice.seconds_per_token
+    engine.close()
+    return {"profile": str(path), "vector": plan.source, "tree": [sim.choice.budget, sim.choice.depth],
+            "engine_tree": [plan.choice.budget, plan.choice.depth],
+            "predicted_tokens_per_step": sim.choice.tokens_per_step, "measured_tokens_per_step": tokens / steps,
+            "predicted_seconds_per_step": sim.choice.seconds_per_step, "measured_seconds_per_step": decode_s / steps,
+            "predicted_seconds_per_token": predicted, "measured_seconds_per_token": measured,
+            "error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE,
+            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
+
+
+def check_paper() -> dict:
+    from offload_engine import simulator
+    n, d = PAPER["tree"]
+    sim = simulator.simulate("l40", 512 * 2**30, "llama-2-70b", "llama-2-7b", precision="fp16", offload="ram",
+                             tree=(n, d), tokens_per_step=PAPER["tokens_per_step"])
+    predicted = sim.choice.seconds_per_token
+    return {"predicted_seconds_per_token": predicted, "published_seconds_per_token": PAPER["seconds_per_token"],
+            "error": predicted / PAPER["seconds_per_token"] - 1,
+            "within_tolerance": abs(predicted / PAPER["seconds_per_token"] - 1) <= TOLERANCE,
+            "predicted_plain_seconds_per_token": sim.plain_seconds_per_token,
+            "published_plain_seconds_per_token": PAPER["plain_seconds_per_token"],
+            "plain_error": sim.plain_seconds_per_token / PAPER["plain_seconds_per_token"] - 1,
+            "predicted_step": {"target_s": sim.choice.target_seconds, "draft_s": sim.choice.draft_seconds,
+                               "levels": list(sim.choice.level_widths)}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft", default="default")
+    p.add_argument("--skip-machine", action="store_true", help="only (b)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    out = {"paper_l40": check_paper()}
+    if not args.skip_machine:
+        out["this_machine"] = check_machine(args)
+    out["seconds"] = time.perf_counter() - t0
+    b = out["paper_l40"]
+    print(f"(b) L40, Llama-2-70B/7B, (768, 18) at 10.30 tokens/step: predicted {b['predicted_seconds_per_token']:.3f} "
+          f"s/token vs published 0.66 ({b['error']:+.1%}); plain offloaded predicted "
+          f"{b['predicted_plain_seconds_per_token']:.2f} s/token vs published 5.7 ({b['plain_error']:+.1%})")
+    if "this_machine" in out:
+        a = out["this_machine"]
+        print(f"(a) this machine, default pair disk-streamed, tree {tuple(a['tree'])}: predicted "
+              f"{a['predicted_seconds_per_token']:.4f} s/token ({a['predicted_tokens_per_step']:.2f} tokens/step, "
+              f"{a['predicted_seconds_per_step']:.3f} s/step) vs measured {a['measured_seconds_per_token']:.4f} "
+              f"({a['measured_tokens_per_step']:.2f} tokens/step, {a['measured_seconds_per_step']:.3f} s/step): "
+              f"{a['error']:+.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    ok = all(v["within_tolerance"] for k, v in out.items() if isinstance(v, dict))
+    print("within 15%" if ok else "NOT within 15%")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
