@@ -54,4 +54,7 @@ def test_demo_command_streams_an_answer():
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
-    assert "tokens/s" in proc.stdout.splitlines()[-1]
+    last = proc.stdout.splitlines()[-1]
+    # the whole product: the default draft, --tree auto's choice and prediction, disk streaming
+    assert "tokens/s" in last and "tokens/step" in last and "over plain streamed decoding" in last, last
+    assert "GB streamed" in last and "tree auto at T=0:" in proc.stderr
