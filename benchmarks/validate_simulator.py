@@ -2,15 +2,16 @@
 
 (a) this machine: the simulator fed this machine's measured profile (target disk-streamed,
     draft resident, the profile `--tree auto` uses) and the pair's stored acceptance vector
-    predicts the seconds per token of real runs with `--tree auto` (greedy, T=0), measured here
-    over `--prompts` prompts of benchmarks/prompts.jsonl (decode time only: prefill excluded, as
-    the prediction is per decoding step);
+    predicts the seconds per token of real runs with `--tree auto` (greedy, T=0), and of fixed
+    Sequoia trees (`--trees`), measured here over `--prompts` prompts of benchmarks/prompts.jsonl
+    (decode time only: prefill excluded, as the prediction is per decoding step);
 (b) the Sequoia paper's L40 setting: Llama-2-70B fp16 streamed from pinned RAM (every layer, as
     in the paper's offloading runs), a Llama-2-7B draft, tree (768, 18) at the paper's 10.30
     tokens/step (T=0): the predicted seconds per token against the published 0.66 (and plain
     offloaded decoding against the published 5.7 s/token).
 
-    python benchmarks/validate_simulator.py [--prompts 8] [--max-new-tokens 64] [--json out.json]
+    python benchmarks/validate_simulator.py [--prompts 6] [--max-new-tokens 48] [--trees "16,4 64,8"]
+                                            [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,30 +29,47 @@ TOLERANCE = 0.15
 PAPER = {"seconds_per_token": 0.66, "plain_seconds_per_token": 5.7, "tokens_per_step": 10.30, "tree": (768, 18)}
 
 
-def check_machine(args) -> dict:
-    from offload_engine import Engine, profiler, simulator
-    from offload_engine.measure import read_prompts
-    engine = Engine.load("default", device="cpu", offload="disk", draft=args.draft, tree="auto", progress=True)
-    prof, path, _ = profiler.cached_or_measured(engine, progress=True)
-    plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
-    sim = simulator.simulate_measured(prof, None, 0.0)  # the pair's vector, found as auto finds it
-    prompts = read_prompts(ROOT / "benchmarks" / "prompts.jsonl")[: args.prompts]
+def _run(engine, prompts, max_new_tokens) -> tuple[float, int, int]:
     decode_s = tokens = steps = 0
     for item in prompts:
-        r = engine.generate(**item, max_new_tokens=args.max_new_tokens, temperature=0.0)
-        s = r.stats
+        s = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=0.0).stats
         decode_s += s["seconds"] - s["prefill_seconds"]
         tokens += s["new_tokens"] - 1  # the first token comes from the prefill
         steps += s["target_steps"]
-    measured = decode_s / tokens
-    predicted = sim.choice.seconds_per_token
+    return decode_s, tokens, steps
+
+
+def check_machine(args) -> dict:
+    """--tree auto's choice, and fixed Sequoia trees (so that speculative steps are checked even
+    where auto chooses plain decoding), each predicted from the profile and then run."""
+    from offload_engine import Engine, profiler, simulator
+    from offload_engine.measure import read_prompts
+    prompts = read_prompts(ROOT / "benchmarks" / "prompts.jsonl")[: args.prompts]
+    common = dict(device="cpu", offload="disk", draft=args.draft)
+    engine = Engine.load("default", tree="auto", progress=True, **common)
+    prof, path, _ = profiler.cached_or_measured(engine, progress=True)
+    plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
+    rows = []
+    for tree in [None] + [tuple(int(x) for x in t.split(",")) for t in args.trees.split()]:
+        sim = simulator.simulate_measured(prof, None, 0.0, tree=tree)  # the pair's vector, as auto finds it
+        if tree is None:
+            run_engine = engine
+        else:
+            run_engine = Engine.load("default", tree="sequoia", tree_budget=tree[0], tree_depth=tree[1],
+                                     progress=False, **common)
+        decode_s, tokens, steps = _run(run_engine, prompts, args.max_new_tokens)
+        measured, predicted = decode_s / tokens, sim.choice.seconds_per_token
+        rows.append({"mode": "auto" if tree is None else "sequoia", "tree": [sim.choice.budget, sim.choice.depth],
+                     "predicted_tokens_per_step": sim.choice.tokens_per_step, "measured_tokens_per_step": tokens / steps,
+                     "predicted_seconds_per_step": sim.choice.seconds_per_step,
+                     "measured_seconds_per_step": decode_s / steps,
+                     "predicted_seconds_per_token": predicted, "measured_seconds_per_token": measured,
+                     "error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE})
+        if run_engine is not engine:
+            run_engine.close()
     engine.close()
-    return {"profile": str(path), "vector": plan.source, "tree": [sim.choice.budget, sim.choice.depth],
-            "engine_tree": [plan.choice.budget, plan.choice.depth],
-            "predicted_tokens_per_step": sim.choice.tokens_per_step, "measured_tokens_per_step": tokens / steps,
-            "predicted_seconds_per_step": sim.choice.seconds_per_step, "measured_seconds_per_step": decode_s / steps,
-            "predicted_seconds_per_token": predicted, "measured_seconds_per_token": measured,
-            "error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE,
+    return {"profile": str(path), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
+            "rows": rows, "within_tolerance": all(r["within_tolerance"] for r in rows),
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
 
 
@@ -73,8 +91,9 @@ def check_paper() -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--trees", default="16,4 64,8", help="fixed trees N,D to check too (space-separated)")
     p.add_argument("--draft", default="default")
     p.add_argument("--skip-machine", action="store_true", help="only (b)")
     p.add_argument("--json", default=None)
@@ -89,12 +108,12 @@ def main(argv=None) -> int:
           f"s/token vs published 0.66 ({b['error']:+.1%}); plain offloaded predicted "
           f"{b['predicted_plain_seconds_per_token']:.2f} s/token vs published 5.7 ({b['plain_error']:+.1%})")
     if "this_machine" in out:
-        a = out["this_machine"]
-        print(f"(a) this machine, default pair disk-streamed, tree {tuple(a['tree'])}: predicted "
-              f"{a['predicted_seconds_per_token']:.4f} s/token ({a['predicted_tokens_per_step']:.2f} tokens/step, "
-              f"{a['predicted_seconds_per_step']:.3f} s/step) vs measured {a['measured_seconds_per_token']:.4f} "
-              f"({a['measured_tokens_per_step']:.2f} tokens/step, {a['measured_seconds_per_step']:.3f} s/step): "
-              f"{a['error']:+.1%}")
+        for r in out["this_machine"]["rows"]:
+            print(f"(a) this machine, default pair disk-streamed, {r['mode']} tree {tuple(r['tree'])}: predicted "
+                  f"{r['predicted_seconds_per_token']:.4f} s/token ({r['predicted_tokens_per_step']:.2f} tokens/step, "
+                  f"{r['predicted_seconds_per_step']:.3f} s/step) vs measured {r['measured_seconds_per_token']:.4f} "
+                  f"({r['measured_tokens_per_step']:.2f} tokens/step, {r['measured_seconds_per_step']:.3f} s/step): "
+                  f"{r['error']:+.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     ok = all(v["within_tolerance"] for k, v in out.items() if isinstance(v, dict))

@@ -41,6 +41,7 @@ class AutoPlan:
     source_path: Path | None
     choice: Choice
     plain_seconds_per_token: float  # t_target(1): plain streamed decoding, predicted
+    best_tree: Choice  # the best speculative tree, chosen or not
 
     @property
     def spec(self) -> TreeSpec:
@@ -54,6 +55,12 @@ class AutoPlan:
         return self.plain_seconds_per_token / self.choice.seconds_per_token
 
     def describe(self) -> str:
+        if self.choice.budget == 1:
+            b = self.best_tree
+            return (f"tree auto at T={self.temperature:g}: plain decoding, {self.plain_seconds_per_token:.3f} "
+                    f"s/token predicted: the draft does not pay on this machine (the best tree, ({b.budget}, "
+                    f"{b.depth}), predicts {b.tokens_per_step:.2f} tokens/step at {b.seconds_per_step:.3f} s/step = "
+                    f"{b.seconds_per_token:.3f} s/token) [{self.source}]")
         return (f"tree auto at T={self.temperature:g}: {self.choice.describe()}; predicted "
                 f"{self.predicted_speedup:.2f}x over plain streamed decoding "
                 f"({self.plain_seconds_per_token:.3f} s/token) [{self.source}]")
@@ -106,13 +113,19 @@ def _safe(key: str | None) -> str:
 
 def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MAX_BUDGET,
               max_depth: int = DEFAULT_MAX_DEPTH) -> dict[float, AutoPlan]:
-    timings = profile.timings()
     budgets = tuple(n for n in _grid(max_budget) if n <= max_budget)
     plans = {}
     for t, (vector, path) in vectors.items():
-        choice = choose(vector, timings, budgets=budgets, max_depth=max_depth)
+        timings = profile.timings(greedy=t == 0)
+        from sequoia_trees.dp import TreeTable
+        ns = [n for n in budgets if n <= timings.target_tokens[-1]] or [1]
+        table = TreeTable(vector, max(max(ns), 2), max_depth)
+        choice = choose(vector, timings, budgets=budgets, max_depth=max_depth, table=table)
+        best_tree = choice if choice.budget > 1 else choose(vector, timings, budgets=budgets, max_depth=max_depth,
+                                                            table=table, allow_plain=False)
         plain = timings.target(1)
-        plans[t] = AutoPlan(t, vector, Path(path).name, Path(path) if Path(path).exists() else None, choice, plain)
+        plans[t] = AutoPlan(t, vector, Path(path).name, Path(path) if Path(path).exists() else None, choice, plain,
+                            best_tree)
     return plans
 
 

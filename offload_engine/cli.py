@@ -206,9 +206,17 @@ def _stats_line(stats: dict) -> str:
     auto = stats.get("auto")
     if auto and stats["target_steps"]:
         decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
-        line += (f", {decode_s:.3f} s/token (auto tree predicted {auto['predicted_tokens_per_step']:.2f} tokens/step, "
-                 f"{auto['predicted_seconds_per_token']:.3f} s/token: {auto['predicted_speedup']:.2f}x over plain "
-                 f"streamed decoding at {auto['predicted_plain_seconds_per_token']:.3f} s/token)")
+        if auto["budget"] > 1:
+            line += (f", {decode_s:.3f} s/token (auto tree predicted {auto['predicted_tokens_per_step']:.2f} "
+                     f"tokens/step, {auto['predicted_seconds_per_token']:.3f} s/token: "
+                     f"{auto['predicted_speedup']:.2f}x over plain streamed decoding at "
+                     f"{auto['predicted_plain_seconds_per_token']:.3f} s/token)")
+        else:
+            n, d = auto["best_tree"]
+            line += (f", 1 token/step, {decode_s:.3f} s/token (auto: plain streamed decoding, predicted "
+                     f"{auto['predicted_plain_seconds_per_token']:.3f} s/token, faster here than the best tree "
+                     f"({n}, {d}) at {auto['best_tree_predicted_seconds_per_token']:.3f} s/token: "
+                     f"{auto['predicted_plain_seconds_per_token'] / auto['best_tree_predicted_seconds_per_token']:.2f}x)")
     if stats["bytes_streamed"]:
         line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
                  f"stalled {stats['stall_seconds']:.2f} s")
@@ -322,11 +330,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print("| target tokens | pass s |\n|---:|---:|")
     for n, t in zip(prof.target_tokens, prof.target_pass_s):
         print(f"| {n} | {t:.4f} |")
-    print("| draft level width | s |\n|---:|---:|")
-    for w, t in zip(prof.draft_widths, prof.draft_level_s):
-        print(f"| {w} | {t:.4f} |")
-    print(f"step residual (a real step minus its parts): {prof.step_residual_s:+.4f} s; measured in "
-          f"{prof.measure_s:.1f} s")
+    print("| draft level width | greedy s | sampled s |\n|---:|---:|---:|")
+    for w, tg, ts in zip(prof.draft_widths, prof.draft_level_greedy_s, prof.draft_level_s):
+        print(f"| {w} | {tg:.4f} | {ts:.4f} |")
+    print(f"step residual (a real step minus its parts): greedy {prof.step_residual_greedy_s:+.4f} s, sampled "
+          f"{prof.step_residual_s:+.4f} s; measured in {prof.measure_s:.1f} s")
     if args.out:
         Path(args.out).write_text(prof.to_json())
         print(f"-> {args.out}")

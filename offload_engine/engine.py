@@ -386,7 +386,9 @@ class Engine:
                      "predicted_tokens_per_step": auto.choice.tokens_per_step,
                      "predicted_seconds_per_token": auto.choice.seconds_per_token,
                      "predicted_plain_seconds_per_token": auto.plain_seconds_per_token,
-                     "predicted_speedup": auto.predicted_speedup},
+                     "predicted_speedup": auto.predicted_speedup,
+                     "best_tree": [auto.best_tree.budget, auto.best_tree.depth],
+                     "best_tree_predicted_seconds_per_token": auto.best_tree.seconds_per_token},
                  **self.model.layers.snapshot().minus(before).as_dict()}
         return GenerationResult(stream.text, new, finish, stats)
 

@@ -72,19 +72,23 @@ class MeasuredProfile:
     target_pass_s: tuple[float, ...]
     draft_widths: tuple[int, ...]
     draft_level_s: tuple[float, ...]
-    step_residual_s: float  # a real step minus its parts' prediction (negative: overlap)
+    step_residual_s: float  # a real step minus its parts' prediction (negative: overlap); sampled
+    draft_level_greedy_s: tuple[float, ...]  # the draft's level time when decoding greedily
+    step_residual_greedy_s: float
     measured_at: str
     measure_s: float
     kind: str = "measured"
 
-    def timings(self):
-        """The optimizer's input: times made non-decreasing in width (a wider pass is never
-        cheaper; a noisy dip would otherwise be chosen)."""
+    def timings(self, greedy: bool = False):
+        """The optimizer's input for greedy or sampled decoding: times made non-decreasing in
+        width (a wider pass is never cheaper; a noisy dip would otherwise be chosen)."""
         from itertools import accumulate
 
         from sequoia_trees.optimizer import Timings
+        draft = self.draft_level_greedy_s if greedy else self.draft_level_s
+        residual = self.step_residual_greedy_s if greedy else self.step_residual_s
         return Timings(tuple(self.target_tokens), tuple(accumulate(self.target_pass_s, max)),
-                       tuple(self.draft_widths), tuple(accumulate(self.draft_level_s, max)), self.step_residual_s)
+                       tuple(self.draft_widths), tuple(accumulate(draft, max)), residual)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -92,7 +96,7 @@ class MeasuredProfile:
 
 # numeric fields that may be zero; one that may be negative; every other number must be > 0
 _MAY_BE_ZERO = {"stream_gb_per_s", "measure_s"}
-_SIGNED = {"step_residual_s"}
+_SIGNED = {"step_residual_s", "step_residual_greedy_s"}
 
 
 def _check_number(path: Path, key: str, value: Any, unit: str) -> float:
@@ -187,11 +191,12 @@ def gpu_names() -> list[str]:
 def load_measured(path: Path) -> MeasuredProfile:
     data = _read(path)
     prof = from_dict(MeasuredProfile, data, path)
-    for xs, ys in (("target_tokens", "target_pass_s"), ("draft_widths", "draft_level_s")):
+    for xs, ys in (("target_tokens", "target_pass_s"), ("draft_widths", "draft_level_s"),
+                   ("draft_widths", "draft_level_greedy_s")):
         if len(getattr(prof, xs)) != len(getattr(prof, ys)):
             raise UserError(f"{path}: fields {xs!r} and {ys!r} differ in length")
     try:
-        prof.timings()
+        prof.timings(greedy=True), prof.timings(greedy=False)
     except ValueError as e:
         raise UserError(f"{path}: {e}") from None
     return prof

@@ -4,13 +4,15 @@ For one loaded engine (target placed by its plan, draft resident) it measures:
   * the streaming bandwidth: pinned host-to-device copies on a GPU; O_DIRECT reads of the layer
     store when layers stream from disk (the CPU's offload regime); nothing when all is resident;
   * t_target(n): one target pass over n new tokens after a `prefix`-token context, with a tree
-    mask, its logits turned into probabilities (the verification's work), for n in
+    mask, its logits copied to the host, for n in
     TARGET_WIDTHS, stopping early when the time budget is spent (then the optimizer searches
     only the widths measured);
   * t_draft(w): one draft level of w nodes (forward, probabilities and children drawn for each);
-  * the step residual: one real speculation step of a (64, 8) tree, timed whole, minus what the
-    two parts above predict for it (verification walk and commits add; the loader prefetching
-    the next pass's first layers while the draft runs takes away), so it may be negative.
+  * the step residual, greedy and sampled: one real speculation step of a (64, 8) tree, timed
+    whole, minus what the two parts above predict for it (verification and commits add; the
+    loader prefetching the next pass's first layers while the draft runs takes away), so it may
+    be negative.
+Greedy and sampled decoding get their own draft and residual times: sampling costs more per node.
 
 The profile is cached under <cache>/profiles/, keyed by the machine, the device and dtype, the
 pair's fingerprints and the placement plan: another plan is another machine as far as timing goes.
@@ -32,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from sequoia_trees.acceptance import AcceptanceVector
-from sequoia_trees.sampling import SamplingParams, logits_to_probs, sample_without_replacement
+from sequoia_trees.sampling import SamplingParams, greedy_top_k, logits_to_probs, sample_without_replacement
 
 from .errors import UserError
 from .fsutil import remove_stale_temps
@@ -43,7 +45,7 @@ TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
-PROFILE_VERSION = 1
+PROFILE_VERSION = 3
 
 
 def machine_name(device: torch.device) -> str:
@@ -175,7 +177,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
 
     def target_pass(n):
         tokens, positions, mask = _tree_inputs(n, PREFIX_TOKENS, device, g, engine.config.vocab_size)
-        return lambda: logits_to_probs(target.forward(tokens, positions, cache, mask=mask), params).cpu()
+        return lambda: target.forward(tokens, positions, cache, mask=mask).cpu()
 
     _timed(target_pass(1), device)  # warm-up: first-touch allocations, kernel selection
     # the narrowest and the widest pass first, then the widths between (the most informative
@@ -205,29 +207,37 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
                   logits_rows=slice(0, 0))
     dcache.advance(PREFIX_TOKENS)
 
-    def draft_level(w):
+    def draft_level(w, greedy):
         tokens, positions, mask = _tree_inputs(w, PREFIX_TOKENS, draft.device, g, engine.config.vocab_size)
 
         def run():
             logits = draft.forward(tokens, positions, dcache, mask=mask).cpu()
-            for row in logits:
-                sample_without_replacement(logits_to_probs(row, params), 2, g)
+            for row in logits:  # as the decoder draws each node's children (two here)
+                if greedy:
+                    greedy_top_k(row, 2)
+                else:
+                    sample_without_replacement(logits_to_probs(row, params), 2, g)
         return run
 
-    _timed(draft_level(1), draft.device)
-    dmeasured: dict[int, float] = {}
+    _timed(draft_level(1, False), draft.device)
+    dmeasured: dict[int, tuple[float, float]] = {}  # width -> (greedy, sampled)
     draft_started = time.perf_counter()
     for w in (1, 256, 16, 64, 4, 128, 32, 8, 2):  # the draft is resident: its own quarter of the budget
         if len(dmeasured) >= 2 and time.perf_counter() - draft_started > budget_s * 0.25:
             break
-        t = _timed(draft_level(w), draft.device)
-        if t < 0.5:
-            t = min(t, _timed(draft_level(w), draft.device))
-        dmeasured[w] = t
+        pair = []
+        for greedy in (True, False):
+            t = _timed(draft_level(w, greedy), draft.device)
+            if t < 0.5:
+                t = min(t, _timed(draft_level(w, greedy), draft.device))
+            pair.append(t)
+        dmeasured[w] = (pair[0], pair[1])
         bar.update(1)
-    ws, dts = sorted(dmeasured), [dmeasured[w] for w in sorted(dmeasured)]
+    ws = sorted(dmeasured)
+    dts_greedy, dts = [dmeasured[w][0] for w in ws], [dmeasured[w][1] for w in ws]
     # 4. one real step of a (64, 8) tree, timed whole: what the parts above leave out
-    residual = _step_residual(engine, ns, ts, ws, dts, g)
+    residual_greedy = _step_residual(engine, ns, ts, ws, dts_greedy, g, 0.0)
+    residual = _step_residual(engine, ns, ts, ws, dts, g, 0.6)
     bar.update(1)
     bar.close()
     return MeasuredProfile(
@@ -237,11 +247,12 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
               "disk_layers": len(plan.disk_layers), "bytes_per_pass": plan.bytes_per_pass, "buffers": plan.buffers},
         stream_source=source, stream_gb_per_s=gbps, prefix_tokens=PREFIX_TOKENS, target_tokens=tuple(ns),
         target_pass_s=tuple(ts), draft_widths=tuple(ws), draft_level_s=tuple(dts), step_residual_s=residual,
+        draft_level_greedy_s=tuple(dts_greedy), step_residual_greedy_s=residual_greedy,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         measure_s=time.perf_counter() - started)
 
 
-def _step_residual(engine, ns, ts, ws, dts, g) -> float:
+def _step_residual(engine, ns, ts, ws, dts, g, temperature: float) -> float:
     """A real (64, 8) step timed whole, minus what t_target and t_draft predict for it: the
     verification walk and cache commits (+), and the loader prefetching the next pass's first
     layers while the draft runs (-)."""
@@ -254,10 +265,12 @@ def _step_residual(engine, ns, ts, ws, dts, g) -> float:
     if budget < 2:
         return 0.0
     spec = TreeSpec("sequoia", budget, 8, acceptance=AcceptanceVector((0.5, 0.2, 0.1, 0.05)))
-    dec = SpeculativeDecoder(engine.model, engine.draft, spec, SamplingParams(0.6, 1.0), g, PREFIX_TOKENS + 16)
+    dec = SpeculativeDecoder(engine.model, engine.draft, spec, SamplingParams(temperature, 1.0), g, PREFIX_TOKENS + 64)
     ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
     dec.prefill(ids, engine.max_batch_tokens)
     device = engine.model.device
-    whole = min(_timed(lambda: dec.step(ids[-1]), device) for _ in range(2))
+    # two warm-up steps first (fresh cache pages, first-use allocations cost a real step nothing)
+    times = [_timed(lambda: dec.step(ids[-1]), device) for _ in range(5)]
+    whole = min(times[2:])
     predicted = evaluate(optimal_tree(spec.acceptance, budget, 8), timings)[0]
     return whole - predicted

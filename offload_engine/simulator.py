@@ -225,8 +225,8 @@ def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, t
                       max_budget: int = 1024, max_depth: int = 24) -> Simulation:
     """The prediction from a machine's measured profile: what `--tree auto` chooses there, with
     the pair's own vector (stored or cached, found by the profile's fingerprints, the one nearest
-    `temperature`) unless `acceptance` names a file."""
-    timings = profile.timings()
+    `temperature`) unless `acceptance` names a file; greedy timings at temperature 0."""
+    timings = profile.timings(greedy=temperature == 0)
     if acceptance is not None:
         vector, source = read_acceptance(acceptance)
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .acceptance import AcceptanceVector
 from .dp import TreeTable
@@ -125,13 +125,16 @@ def candidates(timings: Timings, budgets: tuple[int, ...] | None = None) -> list
 
 
 def choose(acceptance: AcceptanceVector, timings: Timings, budgets: tuple[int, ...] | None = None,
-           max_depth: int = DEFAULT_MAX_DEPTH, table: TreeTable | None = None) -> Choice:
+           max_depth: int = DEFAULT_MAX_DEPTH, table: TreeTable | None = None, allow_plain: bool = True) -> Choice:
     """The (budget, depth) with the most expected tokens per second (ties: the smaller tree).
-    Budget 1 (plain decoding, no draft) is always a candidate: a useless draft is not used."""
+    Budget 1 (plain decoding, no draft) is a candidate unless `allow_plain` is False: a useless
+    draft is not used."""
     ns = candidates(timings, budgets)
     table = table or TreeTable(acceptance, max(ns), max_depth)
     plain = TreePlan((-1,), (0,), (0,), 1.0)
     best = Choice(1, 1, 1.0, timings.target(1), timings.target(1), 0.0, (1,), plain)
+    if not allow_plain:
+        best = replace(best, seconds_per_step=math.inf)
     for n in ns:
         if n == 1:
             continue

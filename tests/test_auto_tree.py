@@ -60,7 +60,8 @@ def _fake_profile(engine, pass_s=1.0, draft_s=1e-4) -> MeasuredProfile:
                            target_fingerprint=engine.target_fingerprint, draft_key=engine.draft_key, plan={},
                            stream_source="none", stream_gb_per_s=0.0, prefix_tokens=128, target_tokens=ns,
                            target_pass_s=tuple(pass_s for _ in ns), draft_widths=ws,
-                           draft_level_s=tuple(draft_s for _ in ws), step_residual_s=0.0, measured_at="now",
+                           draft_level_s=tuple(draft_s for _ in ws), step_residual_s=0.0,
+                           draft_level_greedy_s=tuple(draft_s for _ in ws), step_residual_greedy_s=0.0, measured_at="now",
                            measure_s=0.0)
 
 
