@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a Linux machine with an NVIDIA GPU and nothing installed: set up, run the tests
 # marked `cuda`, measure pinned vs pageable host-to-device bandwidth, run the stream benchmark with
-# every layer streamed from pinned RAM, and print one summary. Meant to finish within 8 minutes.
+# every layer streamed from pinned RAM, profile the machine for --tree auto (the profiler's CUDA path),
+# and print one summary. Meant to finish within 10 minutes.
 # Results also go to $OUT (default: ./gpu_check_out). Needs python3-venv and network access to PyPI
 # for the CUDA build of torch (about 2.5 GB) on the first run.
 set -uo pipefail
@@ -33,11 +34,17 @@ timeout 180 $PY benchmarks/stream_bench.py --device cuda --offload ram --widths 
     --json "$OUT/stream_ram_cuda.json" 2>&1 | tee "$OUT/stream_ram_cuda.txt"
 bench_rc=${PIPESTATUS[0]}
 
+step "profile (cuda, RAM tier, self-int8 draft): the CUDA path of the profiler"
+timeout 120 $PY -m offload_engine.cli profile --device cuda --offload ram --draft self-int8 --budget-s 60 \
+    --out "$OUT/profile_cuda.json" 2>&1 | tail -30 | tee "$OUT/profile_cuda.txt"
+profile_rc=${PIPESTATUS[0]}
+
 step "summary"
 {
     echo "torch/GPU: $(cat "$OUT/torch.txt")"
     echo "cuda tests: $(tail -1 "$OUT/pytest_cuda.txt") (exit $tests_rc)"
     echo "bandwidth: $(tail -1 "$OUT/h2d.txt")"
+    echo "profile (cuda): exit $profile_rc; $(grep -m1 streaming "$OUT/profile_cuda.txt")"
     echo "stream benchmark exit $bench_rc:"
     grep '^|' "$OUT/stream_ram_cuda.txt" || true
     echo "total: $(( $(date +%s) - start )) s"
