@@ -163,8 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     stream = bench_sub.add_parser("stream", help="disk-streamed pass time vs raw read time, and vs HF Accelerate")
-    from benchmarks import stream_bench
+    from benchmarks import latency, stream_bench
     stream_bench.add_args(stream)
+    lat = bench_sub.add_parser("latency", help="every decoding mode and a peer side by side: tokens/step, "
+                                               "s/token, speed-up, exactness (benchmarks/latency.py)")
+    latency.add_args(lat)
     return parser
 
 
@@ -374,7 +377,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks import stream_bench
+    from benchmarks import latency, stream_bench
+    if args.bench == "latency":
+        return latency.report(latency.run(args), args)
     return stream_bench.run(args)
 
 

@@ -1,0 +1,279 @@
+"""Latency of every decoding mode and a peer, side by side in one run (`sequoia-offload bench latency`).
+
+    python benchmarks/latency.py [--target default] [--draft default] [--offload disk]
+        [--prompts benchmarks/prompts.jsonl] [--limit 4] [--max-new-tokens 32] [--temperatures 0,0.6]
+        [--budgets 16,64] [--quick] [--no-peer] [--out results.json] [--plots DIR]
+
+Modes, each over the same prompts at each temperature (seeded per prompt):
+  plain-resident   plain decoding, every target layer resident (no streaming)
+  plain-streamed   plain decoding, the target streamed (`--offload`): the baseline
+  chain-B          one drafted sequence of min(B, 16) tokens (chains longer than 16 are not run:
+                   every token costs a draft pass)
+  specinfer-B      (B-1)//(d-1) independent sequences of d-1 tokens (d = the depth for B)
+  specexec-B       best-first tree of B nodes, d levels
+  sequoia-B        Sequoia's optimal tree of B nodes, d levels, shaped by the pair's vector
+  sequoia-auto     `--tree auto`: the tree the optimizer chooses for this machine
+  peer             the same model through transformers with HF Accelerate's disk_offload (its
+                   offload files evicted from the page cache before every forward, as our disk
+                   tier reads with O_DIRECT), greedy only; `--offload ram`: cpu_offload
+Columns: tokens/step, seconds/token (decode only: prefill excluded), speed-up over plain-streamed
+at the same temperature, target passes, bytes streamed per generated token, and at T=0 whether
+the tokens equal plain-streamed's (computed per prompt, never assumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPTH_FOR_BUDGET = {16: 6, 32: 8, 64: 10, 128: 12, 256: 14}
+CHAIN_MAX = 16
+FIELDS = ("mode", "kind", "budget", "depth", "temperature", "tokens_per_step", "seconds_per_token",
+          "speedup_vs_plain_streamed", "target_passes", "bytes_streamed_per_token", "equal_to_plain")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default")
+    p.add_argument("--draft", default="default")
+    p.add_argument("--offload", default="disk", choices=("disk", "ram"),
+                   help="how the baseline and the speculative modes stream the target (default disk)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompts", default=str(ROOT / "benchmarks" / "prompts.jsonl"))
+    p.add_argument("--limit", type=int, default=4, help="use the first N prompts (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperatures", default="0,0.6")
+    p.add_argument("--budgets", default="16,64", help="tree budgets for the fixed-size modes (default 16,64)")
+    p.add_argument("--quick", action="store_true", help="3 prompts, 32 new tokens, budget 16 only")
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers + Accelerate row")
+    p.add_argument("--sequential", action="store_true",
+                   help="one engine at a time, each mode over all prompts (default: all engines loaded, the "
+                        "modes interleaved prompt by prompt, so that noise on a shared machine hits all alike)")
+    p.add_argument("--out", default=None, help="write the full results as JSON")
+    p.add_argument("--plots", default=None, help="write PNG plots into this folder (needs matplotlib: the bench extra)")
+
+
+def _depth(budget: int) -> int:
+    return DEPTH_FOR_BUDGET.get(budget, max(4, min(24, budget.bit_length() * 2)))
+
+
+def _modes(budgets: list[int]) -> list[dict]:
+    modes = [{"mode": "plain-resident", "kind": "none", "offload": "none", "draft": False},
+             {"mode": "plain-streamed", "kind": "none", "draft": False}]
+    for b in budgets:
+        d = _depth(b)
+        modes += [{"mode": f"chain-{b}", "kind": "chain", "budget": min(b, CHAIN_MAX), "depth": min(b, CHAIN_MAX)},
+                  {"mode": f"specinfer-{b}", "kind": "specinfer", "budget": b, "depth": d,
+                   "width": max(1, (b - 1) // (d - 1))},
+                  {"mode": f"specexec-{b}", "kind": "specexec", "budget": b, "depth": d},
+                  {"mode": f"sequoia-{b}", "kind": "sequoia", "budget": b, "depth": d}]
+    modes.append({"mode": "sequoia-auto", "kind": "auto"})
+    return modes
+
+
+def _load(args, m: dict):
+    from offload_engine import Engine
+    kw = dict(device=args.device, offload=m.get("offload", args.offload), progress=False)
+    if m.get("draft", True):
+        kw.update(draft=args.draft, tree="auto" if m["kind"] == "auto" else m["kind"])
+        if m["kind"] != "auto":
+            kw.update(tree_budget=m["budget"], tree_depth=m["depth"], specinfer_width=m.get("width", 4))
+    return Engine.load(args.target, **kw)
+
+
+def _empty() -> dict:
+    return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
+            "new_tokens": 0, "token_ids": [], "auto": None}
+
+
+def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_tokens: int) -> None:
+    r = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=temperature, seed=i)
+    s = r.stats
+    acc["decode_seconds"] += s["seconds"] - s["prefill_seconds"]
+    acc["tokens"] += s["new_tokens"] - 1  # the first token comes from the prefill pass
+    acc["steps"] += s["target_steps"]
+    acc["target_passes"] += s["target_passes"]
+    acc["bytes_streamed"] += s["bytes_streamed"]
+    acc["new_tokens"] += s["new_tokens"]
+    acc["token_ids"].append(r.token_ids)
+    acc["auto"] = s.get("auto")
+
+
+def _finish_mode(acc: dict) -> dict:
+    t, n = acc["tokens"], acc["new_tokens"]
+    return {**acc, "tokens_per_step": t / acc["steps"] if acc["steps"] else 0.0,
+            "seconds_per_token": acc["decode_seconds"] / t if t else float("nan"),
+            "bytes_streamed_per_token": acc["bytes_streamed"] / n if n else 0.0}
+
+
+def _peer(args, prompts: list[dict], max_new_tokens: int, engine) -> dict:
+    """transformers + Accelerate, greedy, decoding exactly as many tokens as ours did per prompt."""
+    try:
+        from benchmarks.stream_bench import accelerate_per_token
+        import torch
+    except ImportError as e:
+        return {"mode": "peer", "error": f"not run: {e}"}
+    per_token, ids, n = [], [], 0
+    for item in prompts:
+        prompt_ids = engine.prompt_ids(**item)
+        t, new = accelerate_per_token(engine.folder, prompt_ids, max_new_tokens, args.offload,
+                                      torch.device(args.device), torch.float32)
+        per_token.append(t)
+        ids.append(new)
+        n += 1
+    return {"mode": "peer", "kind": f"transformers+accelerate.{'disk_offload' if args.offload == 'disk' else 'cpu_offload'}",
+            "seconds_per_token": sum(per_token) / n, "token_ids": ids}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from offload_engine.measure import read_prompts
+    if args.quick:
+        args.limit, args.max_new_tokens, args.budgets = 3, 32, "16"
+    temps = [float(t) for t in args.temperatures.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    prompts = read_prompts(args.prompts)[: args.limit]
+    started = time.perf_counter()
+    rows, plain_ids = [], {}
+    modes = _modes(budgets)
+    # Interleaved: prompt by prompt, every mode in turn, so that a slow stretch of a shared disk
+    # or CPU falls on all modes alike (the ratios are what this benchmark is for). --sequential
+    # loads one engine at a time instead (a target that cannot be loaded several times over).
+    groups = [[m] for m in modes] if args.sequential else [modes]
+    for group in groups:
+        engines = {m["mode"]: _load(args, m) for m in group}
+        try:
+            for t in temps:
+                accs = {m["mode"]: _empty() for m in group}
+                for i, item in enumerate(prompts):
+                    for m in group:
+                        _add(accs[m["mode"]], engines[m["mode"]], item, i, t, args.max_new_tokens)
+                for m in group:
+                    r = _finish_mode(accs[m["mode"]])
+                    row = {"mode": m["mode"], "kind": m["kind"], "budget": m.get("budget", 1),
+                           "depth": m.get("depth", 1), "temperature": t,
+                           **{k: r[k] for k in ("tokens_per_step", "seconds_per_token", "target_passes",
+                                                "bytes_streamed_per_token", "steps", "tokens")}}
+                    if m["kind"] == "auto" and r["auto"]:
+                        row["budget"], row["depth"] = r["auto"]["budget"], r["auto"]["depth"]
+                        row["predicted_seconds_per_token"] = r["auto"]["predicted_seconds_per_token"]
+                    if m["mode"] == "plain-streamed":
+                        plain_ids[t] = r["token_ids"]
+                    row["token_ids"] = r["token_ids"]
+                    rows.append(row)
+                    print(f"{m['mode']:16s} T={t:g}: {row['tokens_per_step']:.2f} tokens/step, "
+                          f"{row['seconds_per_token']:.4f} s/token", file=sys.stderr, flush=True)
+        finally:
+            for e in engines.values():
+                e.close()
+    for row in rows:  # computed from the tokens, after the baseline has run
+        base = next(r for r in rows if r["mode"] == "plain-streamed" and r["temperature"] == row["temperature"])
+        row["speedup_vs_plain_streamed"] = base["seconds_per_token"] / row["seconds_per_token"]
+        row["equal_to_plain"] = (row["token_ids"] == plain_ids[row["temperature"]]
+                                 if row["temperature"] == 0 else None)
+    peer = None
+    if not args.no_peer and 0.0 in temps:
+        engine = _load(args, {"mode": "plain-streamed", "kind": "none", "draft": False})
+        try:
+            peer = _peer(args, prompts, args.max_new_tokens, engine)
+        finally:
+            engine.close()
+        if "error" not in peer:
+            base = next(r for r in rows if r["mode"] == "plain-streamed" and r["temperature"] == 0)
+            # the peer decodes max_new_tokens greedily without stopping at EOS: compare the common prefix
+            peer["equal_to_plain"] = all(p[:len(b)] == b[:len(p)] for p, b in zip(peer["token_ids"], plain_ids[0.0]))
+            peer["speedup_vs_plain_streamed"] = base["seconds_per_token"] / peer["seconds_per_token"]
+            peer["plain_streamed_over_peer"] = peer["seconds_per_token"] / base["seconds_per_token"]
+    return {"setting": {"target": args.target, "draft": args.draft, "offload": args.offload, "device": args.device,
+                        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperatures": temps,
+                        "budgets": budgets}, "rows": rows, "peer": peer,
+            "seconds": time.perf_counter() - started, "machine": _machine()}
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    import torch
+    from offload_engine.profiler import machine_name
+    return {"machine": machine_name(torch.device("cpu")), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+
+
+def markdown(res: dict) -> str:
+    lines = ["| mode | T | nodes, levels | tokens/step | s/token | speed-up vs plain streamed | target passes | "
+             "MB streamed/token | = plain (T=0) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        eq = "-" if r["equal_to_plain"] is None else ("yes" if r["equal_to_plain"] else "**NO**")
+        lines.append(f"| {r['mode']} | {r['temperature']:g} | {r['budget']}, {r['depth']} | {r['tokens_per_step']:.2f} | "
+                     f"{r['seconds_per_token']:.4f} | {r['speedup_vs_plain_streamed']:.2f}x | {r['target_passes']} | "
+                     f"{r['bytes_streamed_per_token'] / 1e6:.1f} | {eq} |")
+    p = res.get("peer")
+    if p and "error" not in p:
+        lines.append(f"| peer: {p['kind']} | 0 | - | 1.00 | {p['seconds_per_token']:.4f} | "
+                     f"{p['speedup_vs_plain_streamed']:.2f}x | - | - | {'yes' if p['equal_to_plain'] else '**NO**'} |")
+    elif p:
+        lines.append(f"| peer | 0 | - | - | - | - | - | - | {p['error']} |")
+    return "\n".join(lines)
+
+
+def plots(res: dict, folder: Path) -> list[Path]:
+    """tokens/step and speed-up against the tree budget, one line per tree kind, auto marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for key, label, name in (("tokens_per_step", "tokens per step", "tokens_per_step.png"),
+                             ("speedup_vs_plain_streamed", "speed-up over plain streamed decoding", "speedup.png")):
+        fig, axes = plt.subplots(1, len(res["setting"]["temperatures"]), figsize=(11, 4), squeeze=False)
+        for ax, t in zip(axes[0], res["setting"]["temperatures"]):
+            rows = [r for r in res["rows"] if r["temperature"] == t]
+            for kind in ("sequoia", "specexec", "specinfer", "chain"):
+                pts = sorted((r["budget"], r[key]) for r in rows if r["kind"] == kind)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=kind)
+            for r in rows:
+                if r["kind"] == "auto":
+                    ax.scatter([r["budget"]], [r[key]], marker="*", s=200, color="black", zorder=5,
+                               label=f"auto ({r['budget']}, {r['depth']})")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tree budget (nodes)")
+            ax.set_ylabel(label)
+            ax.set_title(f"T={t:g}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_args(p)
+    args = p.parse_args(argv)
+    return report(run(args), args)
+
+
+def report(res: dict, args) -> int:
+    print(markdown(res))
+    print(f"\n{res['setting']['prompts']} prompts x {res['setting']['max_new_tokens']} new tokens, "
+          f"{res['seconds'] / 60:.1f} min on {res['machine']['machine']}, {res['machine']['date']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    if args.plots:
+        for path in plots(res, Path(args.plots)):
+            print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The latency benchmark's --quick mode end to end on a tiny random pair: every row has every
+field, and the T=0 exactness column is computed from the tokens (a deliberately broken
+verifier shows as not equal)."""
+
+import json
+
+import pytest
+
+import offload_engine.profiler as profiler
+from benchmarks import latency
+from offload_engine.cli import main
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("latency")
+    target = make_tiny_checkpoint(root / "t", "llama3-gqa", layers=2, seed=11, init_std=0.05)
+    draft = make_tiny_checkpoint(root / "d", "llama3-gqa", layers=1, seed=12, init_std=0.05)
+    prompts = root / "prompts.txt"
+    prompts.write_text("Hello there\nThe cat sat\nOnce upon a time\n")
+    return target, draft, prompts
+
+
+def _args(pair, tmp_path, *extra):
+    target, draft, prompts = pair
+    return ["bench", "latency", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+            "--quick", "--out", str(tmp_path / "r.json"), *extra]
+
+
+def _fast_profile(engine, *a, **k):
+    from test_auto_tree import _fake_profile
+    return _fake_profile(engine)
+
+
+def test_quick_run_writes_every_field(pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", _fast_profile)
+    assert main(_args(pair, tmp_path)) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    modes = {r["mode"] for r in res["rows"]}
+    assert modes == {"plain-resident", "plain-streamed", "chain-16", "specinfer-16", "specexec-16", "sequoia-16",
+                     "sequoia-auto"}
+    assert len(res["rows"]) == 2 * len(modes)  # T=0 and T=0.6
+    for r in res["rows"]:
+        for field in latency.FIELDS:
+            assert field in r, (r["mode"], field)
+        assert r["seconds_per_token"] > 0 and r["tokens_per_step"] >= 1.0
+        assert (r["equal_to_plain"] is True) if r["temperature"] == 0 else (r["equal_to_plain"] is None), r
+    streamed = [r for r in res["rows"] if r["mode"] != "plain-resident"]
+    assert all(r["bytes_streamed_per_token"] > 0 for r in streamed)  # --offload disk: every pass reads the layers
+    assert res["peer"] is not None and res["peer"]["equal_to_plain"] is True
+    out = capsys.readouterr().out
+    assert "| sequoia-16 | 0 |" in out and "peer: transformers+accelerate" in out
+
+
+def test_a_broken_mode_shows_as_not_equal(pair, tmp_path, monkeypatch):
+    """Verification that accepts the draft's first child whatever the target says: every
+    speculative mode's tokens then differ from plain decoding, and the column says so."""
+    import offload_engine.speculative as spec
+    from sequoia_trees.verify import VerifyResult
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", _fast_profile)
+    real = spec.verify_greedy
+
+    def broken(parents, tokens, logits):
+        good = real(parents, tokens, logits)
+        kids = [i for i, p in enumerate(parents) if p == 0]
+        if not kids:
+            return good
+        return VerifyResult((kids[0],), int(logits[kids[0]].argmax()), (0,))
+
+    monkeypatch.setattr(spec, "verify_greedy", broken)
+    assert main(_args(pair, tmp_path, "--temperatures", "0", "--no-peer")) == 0
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert rows["plain-resident"]["equal_to_plain"] is True
+    for mode in ("chain-16", "specinfer-16", "specexec-16", "sequoia-16"):
+        assert rows[mode]["equal_to_plain"] is False, mode
