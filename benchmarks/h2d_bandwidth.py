@@ -7,27 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 
 def bandwidth_gbps(nbytes: int, pinned: bool, repeats: int) -> float:
+    """The profiler's measurement (the one `--tree auto` relies on), on the current GPU."""
     import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    src.fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    times = []
-    for _ in range(repeats + 1):  # the first copy warms up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record()
-            dst.copy_(src, non_blocking=pinned)
-            end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times[1:]) / 1e9
+    from offload_engine.profiler import h2d_gbps
+    return h2d_gbps(nbytes, torch.device("cuda"), pinned, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

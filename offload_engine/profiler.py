@@ -107,18 +107,19 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def h2d_pinned_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> float:
-    """Host-to-device copy bandwidth from pinned memory, the median of `repeats` copies."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def h2d_gbps(nbytes: int, device: torch.device, pinned: bool = True, repeats: int = 5) -> float:
+    """Host-to-device copy bandwidth from pinned (or pageable) memory, the median of `repeats`
+    copies timed with CUDA events on a stream of their own (the first copy warms up)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
     times = []
-    for _ in range(repeats + 1):  # the first copy warms up
+    for _ in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record()
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=pinned)
             end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
@@ -160,7 +161,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     # 1. streaming bandwidth
     if plan.streamed_layers and device.type == "cuda":
         try:
-            source, gbps = "h2d-pinned", h2d_pinned_gbps(min(plan.layer_bytes, 256 << 20), device)
+            source, gbps = "h2d-pinned", h2d_gbps(min(plan.layer_bytes, 256 << 20), device)
         except torch.cuda.OutOfMemoryError:
             raise UserError("profile: no room on the device for a bandwidth test buffer "
                             f"({fmt_bytes(min(plan.layer_bytes, 256 << 20))}); lower --vram") from None
