@@ -13,7 +13,6 @@ plainly.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH, Choice, choose
 from sequoia_trees.sampling import SamplingParams
 
 from .acceptance_store import stored_vectors
+from .fsutil import atomic_write_text
 from .hw_profile import MeasuredProfile
 from .speculative import TreeSpec
 
@@ -38,7 +38,6 @@ class AutoPlan:
     temperature: float  # of the acceptance vector it was chosen for
     vector: AcceptanceVector
     source: str  # the vector's file name
-    source_path: Path | None
     choice: Choice
     plain_seconds_per_token: float  # t_target(1): plain streamed decoding, predicted
     best_tree: Choice  # the best speculative tree, chosen or not
@@ -71,15 +70,17 @@ def acceptance_cache_dir() -> Path:
     return cache_root() / "acceptance"
 
 
+def known_vectors(target_fp: str | None, dkey: str | None) -> dict:
+    """The pair's vectors by temperature, stored in the repo or cached (the repo's win a tie)."""
+    found = stored_vectors(target_fp, dkey)
+    for t, v in stored_vectors(target_fp, dkey, acceptance_cache_dir()).items():
+        found.setdefault(t, v)
+    return found
+
+
 def vectors_for(engine, progress: bool) -> dict:
     """The pair's vectors by temperature: stored in the repo, cached, or measured now."""
-    found = stored_vectors(engine.target_fingerprint, engine.draft_key)
-    cached = stored_vectors(engine.target_fingerprint, engine.draft_key, acceptance_cache_dir())
-    for t, v in cached.items():
-        found.setdefault(t, v)
-    if found:
-        return found
-    return measure_and_cache(engine, progress)
+    return known_vectors(engine.target_fingerprint, engine.draft_key) or measure_and_cache(engine, progress)
 
 
 def measure_and_cache(engine, progress: bool) -> dict:
@@ -95,14 +96,10 @@ def measure_and_cache(engine, progress: bool) -> dict:
     out = {}
     for t in AUTO_TEMPERATURES:
         vector, steps = measure.on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0)
-        data = {"acceptance": list(vector.probs), "mode": "on-policy", "width": AUTO_WIDTH, "temperature": t,
-                "top_p": 1.0, "samples": steps, "prompts": len(prompts), "target": str(engine.folder),
-                "draft": engine.draft_key, "target_fingerprint": engine.target_fingerprint,
-                "draft_key": engine.draft_key}
+        data = measure.vector_record(engine, vector, steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
+                                     len(prompts), engine.draft_key)
         name = f"{engine.target_fingerprint}__{_safe(engine.draft_key)}__t{t:g}.json"
-        tmp = root / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, root / name)
+        atomic_write_text(root / name, json.dumps(data, indent=2) + "\n")
         out[t] = (vector, root / name)
     return out
 
@@ -124,8 +121,7 @@ def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MA
         best_tree = choice if choice.budget > 1 else choose(vector, timings, budgets=budgets, max_depth=max_depth,
                                                             table=table, allow_plain=False)
         plain = timings.target(1)
-        plans[t] = AutoPlan(t, vector, Path(path).name, Path(path) if Path(path).exists() else None, choice, plain,
-                            best_tree)
+        plans[t] = AutoPlan(t, vector, Path(path).name, choice, plain, best_tree)
     return plans
 
 

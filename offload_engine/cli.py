@@ -401,10 +401,7 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         vector, count = measure.on_policy(engine, prompts, args.width, params, args.max_new_tokens, args.seed)
     else:
         vector, count = measure.teacher_forced(engine, prompts, args.width, params, args.seed)
-    out = {"acceptance": list(vector.probs), "mode": args.mode, "width": args.width,
-           "temperature": args.temperature, "top_p": args.top_p, "samples": count, "prompts": len(prompts),
-           "target": str(engine.folder), "draft": str(args.draft),
-           "target_fingerprint": engine.target_fingerprint, "draft_key": engine.draft_key}
+    out = measure.vector_record(engine, vector, count, args.mode, args.width, params, len(prompts), args.draft)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     head = ", ".join(f"{p:.3f}" for p in vector.probs[:8])
     print(f"acceptance ({args.mode}, {count} {'steps' if args.mode == 'on-policy' else 'positions'}): "

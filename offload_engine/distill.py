@@ -46,7 +46,7 @@ from .checkpoint import Checkpoint, layer_shapes
 from .config import ModelConfig, load_config, parse_dtype, read_json_object
 from .drafts import EMBED, TOKENIZER_FILES
 from .errors import UserError
-from .fsutil import remove_stale_temps
+from .fsutil import atomic_write_text, remove_stale_temps
 from .kv_cache import KVCache
 from .model import Rope, decoder_layer, rms_norm, rope_inv_freq
 from .tokenizer import Tokenizer
@@ -230,12 +230,7 @@ def _text_windows(path: Path, tokenizer: Tokenizer, window: int) -> list[dict]:
 # ---- state files ---------------------------------------------------------------------------------
 
 def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj))
 
 
 def _atomic_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:

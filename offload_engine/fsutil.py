@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -10,11 +11,30 @@ STALE_TEMP_SECONDS = 3600  # a temporary folder older than this was left by a de
 
 
 def remove_stale_temps(folder: Path, pattern: str) -> None:
-    """Delete temporary folders matching `pattern` in `folder` that no live build still writes."""
+    """Delete temporary folders (or files) matching `pattern` in `folder` that no live build
+    still writes."""
     now = time.time()
     for p in folder.glob(pattern):
         try:
             if now - p.stat().st_mtime > STALE_TEMP_SECONDS:
-                shutil.rmtree(p, ignore_errors=True)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink()
         except OSError:
             pass
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, synced, renamed into place
+    (temporaries a killed process left are swept after STALE_TEMP_SECONDS)."""
+    remove_stale_temps(path.parent, f".{path.name}.tmp-*")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

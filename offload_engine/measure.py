@@ -46,6 +46,14 @@ def read_prompts(path: str | Path) -> list[dict]:
     return items
 
 
+def vector_record(engine: Engine, vector: AcceptanceVector, samples: int, mode: str, width: int,
+                  params: SamplingParams, prompts: int, draft) -> dict:
+    """The JSON a measured vector is stored as (the acceptance command's output, the store's input)."""
+    return {"acceptance": list(vector.probs), "mode": mode, "width": width, "temperature": params.temperature,
+            "top_p": params.top_p, "samples": samples, "prompts": prompts, "target": str(engine.folder),
+            "draft": str(draft), "target_fingerprint": engine.target_fingerprint, "draft_key": engine.draft_key}
+
+
 def on_policy(engine: Engine, prompts: list[dict], width: int, params: SamplingParams, max_new_tokens: int,
               seed: int) -> tuple[AcceptanceVector, int]:
     """Decode every prompt with a one-level tree of `width` children; count the accepted rank."""

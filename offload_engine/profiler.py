@@ -37,7 +37,7 @@ from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams, greedy_top_k, logits_to_probs, sample_without_replacement
 
 from .errors import UserError
-from .fsutil import remove_stale_temps
+from .fsutil import atomic_write_text
 from .hw_profile import MeasuredProfile, load_measured
 from .placement import fmt_bytes
 
@@ -87,10 +87,7 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
             print(f"sequoia-offload: warning: {e}; measuring again", file=sys.stderr)
     prof = measure(engine, budget_s, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path.parent, f".{path.name}.tmp-*")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(prof.to_json())
-    os.replace(tmp, path)
+    atomic_write_text(path, prof.to_json())
     return prof, path, True
 
 

@@ -230,11 +230,9 @@ def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, t
     if acceptance is not None:
         vector, source = read_acceptance(acceptance)
     else:
-        from .acceptance_store import nearest, stored_vectors
-        from .auto_tree import acceptance_cache_dir
-        found = stored_vectors(profile.target_fingerprint, profile.draft_key)
-        for t, v in stored_vectors(profile.target_fingerprint, profile.draft_key, acceptance_cache_dir()).items():
-            found.setdefault(t, v)
+        from .acceptance_store import nearest
+        from .auto_tree import known_vectors
+        found = known_vectors(profile.target_fingerprint, profile.draft_key)
         if not found:
             raise UserError(f"no acceptance vector is stored for the profile's pair ({Path(profile.target).name}, "
                             f"{profile.draft_key}): give --acceptance FILE")
