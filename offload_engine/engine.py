@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from .loader import OffloadOptions, load_target, make_placement
 from .model import Transformer
 from .placement import PlacementPlan, model_bytes
 from .quant import DEFAULT_GROUP_SIZE
-from .speculative import GENERIC_ACCEPTANCE, TREE_KINDS, SpeculativeDecoder, TreeSpec
+from .speculative import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -199,6 +200,9 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        # the KV caches of the last generation, reused by the next one when its prompt extends
+        # them (the next turn of a conversation); None turns prefix reuse off
+        self.prefix_cache: PrefixCache | None = PrefixCache(max_context + max_batch_tokens)
 
     @property
     def config(self) -> ModelConfig:
@@ -286,6 +290,11 @@ class Engine:
             for plan in self.auto_plans.values():
                 print(f"sequoia-offload: {plan.describe()}", file=sys.stderr)
 
+    def forget_prefix(self) -> None:
+        """Drop the cached K/V of the last conversation (the next prompt is prefilled whole)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def close(self) -> None:
         """Stop the layer loader and release the disk reader (also done when the engine is
         garbage-collected and at interpreter exit)."""
@@ -324,9 +333,14 @@ class Engine:
     def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                  messages: list[dict] | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop: list[str] | str | None = None, on_token: OnToken | None = None) -> GenerationResult:
-        """Plain decoding. on_token(token_id, text) is called for every new token with the text it
-        makes safe to show (possibly ''); the result's text excludes a matched stop string."""
+                 stop: list[str] | str | None = None, on_token: OnToken | None = None,
+                 cancel: threading.Event | None = None) -> GenerationResult:
+        """Generate up to max_new_tokens after the prompt (speculating when a draft is loaded).
+        on_token(token_id, text) is called for every new token with the text it makes safe to
+        show (possibly ''); the result's text excludes a matched stop string. The K/V of the
+        longest prefix shared with the previous generation's tokens is reused (`prefix_cache`).
+        Setting `cancel` from another thread stops the generation at the next layer boundary
+        with GenerationCancelled."""
         try:
             params = SamplingParams(temperature, top_p, top_k)
         except ValueError as e:
@@ -338,7 +352,16 @@ class Engine:
         if seed is not None and not 0 <= seed < 2**63:
             raise UserError(f"seed must be in 0..2**63-1, got {seed}")
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-        return self._decode(ids, max_new_tokens, params, generator, stop, on_token)
+        if cancel is None:
+            return self._decode(ids, max_new_tokens, params, generator, stop, on_token)
+        models = [m for m in (self.model, self.draft) if m is not None]
+        for m in models:
+            m.interrupt = cancel
+        try:
+            return self._decode(ids, max_new_tokens, params, generator, stop, on_token)
+        finally:
+            for m in models:
+                m.interrupt = None
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                 generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None) -> GenerationResult:
@@ -355,7 +378,7 @@ class Engine:
             vector, path, t = nearest(self.stored_acceptance, params.temperature)
             spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
         draft = self.draft if spec.kind != "none" else None  # --tree none: the draft sits idle
-        decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget)
+        decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget, self.prefix_cache)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -375,7 +398,8 @@ class Engine:
             pending = step.tokens
         finish = "stop" if eos or stream.stopped else "length"
         seconds = time.perf_counter() - start
-        stats = {"prompt_tokens": len(ids), "new_tokens": len(new), "seconds": seconds,
+        stats = {"prompt_tokens": len(ids), "cached_prompt_tokens": decoder.reused_tokens,
+                 "prefilled_tokens": len(ids) - decoder.reused_tokens, "new_tokens": len(new), "seconds": seconds,
                  "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,
                  "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
                  "finish_reason": finish, "tree": spec.kind, "tree_budget": spec.max_nodes, "tree_depth": spec.depth,

@@ -9,6 +9,7 @@ cache). Prefill, decode and tree verification all go through `Transformer.forwar
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig
+from .errors import GenerationCancelled
 from .kv_cache import KVCache
 
 LayerWeights = dict[str, torch.Tensor]
@@ -134,6 +136,9 @@ class Transformer:
         self.dtype = dtype
         self.device = device
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        # set by the engine for one generation: when the event is set, the next layer boundary
+        # raises GenerationCancelled (the layer executor restarts its loader for the next pass)
+        self.interrupt: threading.Event | None = None
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu") -> "Transformer":
@@ -161,6 +166,8 @@ class Transformer:
         rope = Rope.at(self.inv_freq, positions.to(self.device), self.dtype)
         x = F.embedding(input_ids.to(self.device), self.embed)[None]  # [1, S, hidden]
         for i, w in enumerate(self.layers):
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise GenerationCancelled("generation cancelled")
             x = decoder_layer(w, x, rope, cache, i, mask, self.cfg)
         if logits_rows is not None:
             x = x[:, logits_rows]

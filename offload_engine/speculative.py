@@ -26,6 +26,7 @@ from sequoia_trees.sampling import (SamplingParams, greedy_top_k, logits_to_prob
                                     sample_with_replacement, sample_without_replacement)
 from sequoia_trees.verify import VerifyResult, verify_greedy, verify_stochastic
 
+from .kv_cache import KVCache
 from .model import Transformer
 
 TREE_KINDS = ("sequoia", "specexec", "specinfer", "chain", "none")
@@ -99,30 +100,88 @@ class StepResult:
     verify: VerifyResult
 
 
+@dataclass
+class CachedSequence:
+    """A model's KV cache and the tokens whose K/V fill its first slots. `tokens` is extended
+    only after the cache holds them, so after an interruption anywhere (Ctrl-C, a cancelled
+    request) `cache[:len(tokens)]` is still exactly the K/V of `tokens`."""
+    cache: KVCache
+    tokens: list[int]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixCache:
+    """Each model's KV cache kept from one generation to the next (prefix reuse): a prompt that
+    extends the tokens already cached (the next turn of the same conversation) prefills only
+    what is new. Caches grow on demand, in steps of `GROW_STEP` slots, up to the context."""
+
+    GROW_STEP = 256
+
+    def __init__(self, max_capacity: int):
+        self.max_capacity = max_capacity  # the context plus the largest tree
+        self._seqs: dict[Transformer, CachedSequence] = {}
+
+    def sequence(self, model: Transformer, capacity: int) -> CachedSequence:
+        seq = self._seqs.get(model)
+        if seq is None or seq.cache.capacity < capacity:
+            size = max(capacity, min(self.max_capacity, -(-capacity // self.GROW_STEP) * self.GROW_STEP))
+            if seq is None:
+                seq = CachedSequence(model.new_cache(size), [])
+            else:
+                seq.cache.truncate(len(seq.tokens))
+                seq = CachedSequence(seq.cache.resized(size), seq.tokens)
+            self._seqs[model] = seq
+        return seq
+
+    def tokens(self, model: Transformer) -> list[int]:
+        seq = self._seqs.get(model)
+        return list(seq.tokens) if seq is not None else []
+
+    def clear(self) -> None:
+        self._seqs.clear()
+
+
 class SpeculativeDecoder:
-    """Owns the caches of one generation and runs speculation steps."""
+    """Runs speculation steps for one generation, on fresh caches or on a `PrefixCache`'s."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
-                 generator: torch.Generator, capacity: int):
+                 generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None):
         self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
         self.static_parents = spec.shape()
-        self.target_cache = target.new_cache(capacity + spec.max_nodes)
-        self.draft_cache = draft.new_cache(capacity + spec.max_nodes) if draft is not None else None
+        need = capacity + spec.max_nodes
+        self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None else CachedSequence(m.new_cache(need), [])
+                     for m in (target, draft) if m is not None]
+        self.target_cache = self.seqs[0].cache
+        self.draft_cache = self.seqs[1].cache if draft is not None else None
+        self.reused_tokens = 0  # prompt tokens whose target K/V came from the previous generation
 
     def prefill(self, ids: list[int], chunk: int) -> torch.Tensor:
-        """The whole prompt into both caches (in chunks); the target's logits at its last token."""
+        """The prompt into both caches (in chunks), after the longest prefix they already hold;
+        the target's logits at its last token (so at least that token always runs)."""
         logits = None
-        for model, cache in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
-            if model is None:
-                continue
-            dev = model.device
-            for lo in range(0, len(ids), chunk):
+        for model, seq in zip((self.target, self.draft), self.seqs):
+            cache, dev = seq.cache, model.device
+            is_target = model is self.target
+            start = min(common_prefix(seq.tokens, ids), len(ids) - 1 if is_target else len(ids))
+            cache.truncate(start)
+            del seq.tokens[start:]
+            if is_target:
+                self.reused_tokens = start
+            for lo in range(start, len(ids), chunk):
                 hi = min(lo + chunk, len(ids))
-                rows = slice(hi - lo - 1, hi - lo) if model is self.target and hi == len(ids) else slice(0, 0)
+                rows = slice(hi - lo - 1, hi - lo) if is_target and hi == len(ids) else slice(0, 0)
                 out = model.forward(torch.tensor(ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev), cache,
                                     logits_rows=rows)
                 cache.advance(hi - lo)
-                if model is self.target and hi == len(ids):
+                seq.tokens.extend(ids[lo:hi])
+                if is_target and hi == len(ids):
                     logits = out[-1]
         return logits
 
@@ -138,13 +197,16 @@ class SpeculativeDecoder:
         draft_probs = self._grow(tree) if self.draft is not None and self.spec.kind != "none" else None
         result = self._verify(tree, draft_probs)
         path = [0] + list(result.accepted)
+        kept = [tree.tokens[i] for i in path]
         base = self.target_cache.length
         self.target_cache.commit([base + i for i in path])
+        self.seqs[0].tokens.extend(kept)
         if self.draft_cache is not None:
             dbase = self.draft_cache.length - len(tree.parents)  # the tree's slots follow the committed ones
             self.draft_cache.truncate(dbase)
             self.draft_cache.commit([dbase + i for i in path])
-        return StepResult([tree.tokens[i] for i in result.accepted] + [result.bonus_token], result)
+            self.seqs[1].tokens.extend(kept)
+        return StepResult(kept[1:] + [result.bonus_token], result)
 
     # ---- target side ------------------------------------------------------------------------
 
