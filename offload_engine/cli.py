@@ -88,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(chat)
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                                       "/v1/models, /health) for desktop assistants and the openai client")
+    _model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: the "
+                     "SEQUOIA_OFFLOAD_API_KEY environment variable, else no key)")
+    srv.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one generates; "
+                     "more get HTTP 429 (default 16)")
+    srv.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
+                     "folder's name; SmolLM2-135M-Instruct for the embedded default)")
     conv = sub.add_parser("convert-gguf", help="convert a llama-architecture GGUF file to a Hugging Face folder")
     conv.add_argument("gguf_file", type=Path)
     conv.add_argument("out_dir", type=Path)
@@ -201,11 +212,15 @@ def _printer(token_id: int, text: str) -> None:
 
 
 def _stats_line(stats: dict) -> str:
+    cached = stats["cached_prompt_tokens"]
+    reused = f" ({cached} of them cached from the previous turn)" if cached else ""
     line = (f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s; "
-            f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_seconds']:.2f} s; "
+            f"prompt {stats['prompt_tokens']} tokens{reused}, prefill {stats['prefill_seconds']:.2f} s; "
             f"{stats['target_passes']} target passes")
     if stats["tree"] != "none":
         line += f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
+    elif not stats.get("auto"):
+        line += ", 1 token/step (plain decoding)"
     auto = stats.get("auto")
     if auto and stats["target_steps"]:
         decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
@@ -298,6 +313,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.pop()
             continue
         history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from .default_model import DEFAULT_MODEL_NAME
+    from .server import serve
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    api_key = args.api_key or os.environ.get("SEQUOIA_OFFLOAD_API_KEY") or None
+    engine = _load(args)
+    name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else engine.folder.name)
+    serve(engine, name, args.host, args.port, api_key, args.max_queue)
+    return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -433,8 +464,8 @@ def cmd_default_model(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "convert-gguf": cmd_convert,
-            "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench,
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+            "convert-gguf": cmd_convert, "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench,
             "acceptance": cmd_acceptance, "distill": cmd_distill, "profile": cmd_profile,
             "simulate": cmd_simulate}
 

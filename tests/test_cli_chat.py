@@ -36,7 +36,8 @@ def test_chat_keeps_history_resets_and_reports_stats(folder, monkeypatch, capsys
     assert calls[2][:2] == [system, {"role": "user", "content": "third question"}]  # after /reset
     for turn in calls:
         assert turn[-1]["content"].strip() and turn[-1]["content"] in out  # each answer was printed (streamed) in full
-    stats_json = out[out.index("{"): out.index("}") + 1]
+    start = out.index("\n{\n") + 1
+    stats_json = out[start: out.index("\n}", start) + 2]
     assert json.loads(stats_json)["new_tokens"] >= 1
     assert "(history cleared)" in out
 
@@ -46,3 +47,45 @@ def test_chat_ends_cleanly_at_end_of_input(folder, monkeypatch):
         raise EOFError
     monkeypatch.setattr("builtins.input", eof)
     assert main(["chat", "--target", str(folder)]) == 0
+
+
+def test_a_stats_line_follows_each_answer_and_later_turns_reuse_the_cache(folder, monkeypatch, capsys):
+    lines = iter(["first question", "second question", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--target", str(folder), "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    stats = [line for line in out.splitlines() if line.startswith("[") and "tokens/s" in line]
+    assert len(stats) == 2 and all("token/step" in s or "tokens/step" in s for s in stats), stats
+    assert "cached from the previous turn" not in stats[0]
+    assert "cached from the previous turn" in stats[1]  # the first turn's prompt was not prefilled again
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session_and_its_cache(folder, monkeypatch, capsys):
+    lines = iter(["first question", "second question", "/stats", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    calls = []
+    real = Engine.generate
+
+    def interrupted_first(self, *args, **kwargs):
+        calls.append([dict(m) for m in kwargs["messages"]])
+        if len(calls) == 1:  # Ctrl-C arrives while the third token is being shown
+            shown, inner = [], kwargs["on_token"]
+
+            def on_token(token_id, text):
+                inner(token_id, text)
+                shown.append(token_id)
+                if len(shown) == 3:
+                    raise KeyboardInterrupt
+            kwargs["on_token"] = on_token
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", interrupted_first)
+    assert main(["chat", "--target", str(folder), "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "(stopped)" in out and len(calls) == 2
+    # the partial answer stays in the history, and the next turn builds on it
+    assert calls[1][0] == {"role": "user", "content": "first question"} and calls[1][1]["role"] == "assistant"
+    assert calls[1][2] == {"role": "user", "content": "second question"}
+    start = out.index("\n{\n") + 1  # /stats prints the last answer's stats as indented JSON
+    last = json.loads(out[start: out.index("\n}", start) + 2])
+    assert last["cached_prompt_tokens"] > 0  # the interrupted turn's cache was still good to reuse
