@@ -56,17 +56,6 @@ class KVCache:
         self.v[:, :, :, self.length:end] = self.v.index_select(3, idx)
         self.length = end
 
-    def resized(self, capacity: int) -> "KVCache":
-        """A cache of `capacity` slots holding this one's kept tokens (prefix reuse outgrowing it)."""
-        if capacity < self.length:
-            raise ValueError(f"cannot fit a {self.length}-token cache into {capacity} slots")
-        L, B, H, _, D = self.k.shape
-        new = KVCache(L, H, D, capacity, self.k.dtype, self.k.device, batch=B)
-        new.k[:, :, :, :self.length] = self.k[:, :, :, :self.length]
-        new.v[:, :, :, :self.length] = self.v[:, :, :, :self.length]
-        new.length = self.length
-        return new
-
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a {self.length}-token cache to {length}")

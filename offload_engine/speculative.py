@@ -120,24 +120,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class PrefixCache:
     """Each model's KV cache kept from one generation to the next (prefix reuse): a prompt that
     extends the tokens already cached (the next turn of the same conversation) prefills only
-    what is new. Caches grow on demand, in steps of `GROW_STEP` slots, up to the context."""
-
-    GROW_STEP = 256
+    what is new. Each cache is allocated once at the size the placement plan reserves for it
+    (the context plus the widest pass), so it never grows or moves."""
 
     def __init__(self, max_capacity: int):
-        self.max_capacity = max_capacity  # the context plus the largest tree
+        self.max_capacity = max_capacity  # the context plus the widest forward pass
         self._seqs: dict[Transformer, CachedSequence] = {}
 
     def sequence(self, model: Transformer, capacity: int) -> CachedSequence:
+        if capacity > self.max_capacity:
+            raise ValueError(f"a generation needs {capacity} cache slots; the prefix cache holds {self.max_capacity}")
         seq = self._seqs.get(model)
-        if seq is None or seq.cache.capacity < capacity:
-            size = max(capacity, min(self.max_capacity, -(-capacity // self.GROW_STEP) * self.GROW_STEP))
-            if seq is None:
-                seq = CachedSequence(model.new_cache(size), [])
-            else:
-                seq.cache.truncate(len(seq.tokens))
-                seq = CachedSequence(seq.cache.resized(size), seq.tokens)
-            self._seqs[model] = seq
+        if seq is None:
+            seq = self._seqs[model] = CachedSequence(model.new_cache(self.max_capacity), [])
         return seq
 
     def tokens(self, model: Transformer) -> list[int]:
