@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "SEQUOIA_OFFLOAD_API_KEY environment variable, else no key)")
     srv.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one generates; "
                      "more get HTTP 429 (default 16)")
+    srv.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                     help="let browser pages from ORIGIN (e.g. http://localhost:3000) call the API; repeatable "
+                     "(default: none)")
+    srv.add_argument("--cache-slots", type=int, default=1, help="conversations whose KV caches are kept for prefix "
+                     "reuse, each reserved in the plan (default 1; 2 keeps a desktop assistant's side requests, "
+                     "such as titles, from evicting the conversation)")
     srv.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint "
                      "folder's name; SmolLM2-135M-Instruct for the embedded default)")
     conv = sub.add_parser("convert-gguf", help="convert a llama-architecture GGUF file to a Hugging Face folder")
@@ -171,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
+    plan.add_argument("--cache-slots", type=int, default=1, help="KV caches kept for prefix reuse (serve)")
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     stream = bench_sub.add_parser("stream", help="disk-streamed pass time vs raw read time, and vs HF Accelerate")
@@ -193,7 +200,8 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers,
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                        specinfer_width=args.specinfer_width, acceptance=_acceptance(args.acceptance),
-                       draft_group_size=args.draft_group_size, progress=not quiet)
+                       draft_group_size=args.draft_group_size, cache_slots=getattr(args, "cache_slots", 1),
+                       progress=not quiet)
 
 
 def _acceptance(path: str | None):
@@ -327,7 +335,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("SEQUOIA_OFFLOAD_API_KEY") or None
     engine = _load(args)
     name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else engine.folder.name)
-    serve(engine, name, args.host, args.port, api_key, args.max_queue)
+    try:
+        serve(engine, name, args.host, args.port, api_key, args.max_queue, args.cors_origin)
+    finally:
+        engine.close()
     return 0
 
 
@@ -344,7 +355,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan, folder, device, dtype = plan_only(args.target, device=args.device, dtype=args.dtype,
                                             max_context=args.max_context, offload=args.offload, vram=args.vram,
                                             ram=args.ram, buffers=args.buffers, draft=args.draft,
-                                            draft_group_size=args.draft_group_size)
+                                            draft_group_size=args.draft_group_size, cache_slots=args.cache_slots)
     print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}\n")
     print(plan.table())
     return 0

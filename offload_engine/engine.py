@@ -26,7 +26,7 @@ from .drafts import SELF_DRAFTS, build_self_draft, check_group_size, default_dra
 from .errors import UserError
 from .loader import OffloadOptions, load_target, make_placement
 from .model import Transformer
-from .placement import PlacementPlan, model_bytes
+from .placement import PlacementPlan, kv_cache_bytes, model_bytes
 from .quant import DEFAULT_GROUP_SIZE
 from .speculative import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
 from .tokenizer import Tokenizer
@@ -82,7 +82,7 @@ class _Setup:
 
 
 def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens,
-           progress, draft=None, draft_group_size: int = DEFAULT_GROUP_SIZE) -> _Setup:
+           progress, draft=None, draft_group_size: int = DEFAULT_GROUP_SIZE, cache_slots: int = 1) -> _Setup:
     """Everything Engine.load decides before loading a byte: checked flags, config and the plan."""
     dev = resolve_device(device)
     dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -95,8 +95,12 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     limit = max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
     if limit > cfg.max_context:
         raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
-    opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens)
+    if cache_slots < 1:
+        raise UserError(f"--cache-slots must be at least 1, got {cache_slots}")
+    opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens, cache_slots=cache_slots)
     draft_bytes, draft_folder, draft_cfg = _draft_parts(draft, folder, cfg, dt, draft_group_size, progress)
+    if draft is not None:  # the draft's own KV caches (a self-draft has the target's shape)
+        draft_bytes += cache_slots * kv_cache_bytes(draft_cfg or cfg, dt, limit + max_batch_tokens)
     return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit, draft_bytes),
                   draft_folder, draft_cfg)
 
@@ -124,12 +128,13 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
 
 def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
               ram=None, buffers=None, max_batch_tokens=1024, draft: str | Path | None = None,
-              draft_group_size: int = DEFAULT_GROUP_SIZE) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
+              draft_group_size: int = DEFAULT_GROUP_SIZE,
+              cache_slots: int = 1) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
     """The placement Engine.load would use, without loading anything (`sequoia-offload plan`).
     The draft (a folder, "default", "self-int8" or "self-int4") is counted as resident on the
-    device: a folder in the compute dtype, a self-draft at its quantised size."""
+    device: a folder in the compute dtype, a self-draft at its quantised size, with its KV caches."""
     s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True, draft,
-               draft_group_size)
+               draft_group_size, cache_slots)
     return s.plan, s.folder, s.device, s.dtype
 
 
@@ -178,7 +183,7 @@ def _check_same_vocabulary(folder: Path, cfg: ModelConfig, tokenizer: Tokenizer,
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, folder: Path, max_context: int,
                  plan: PlacementPlan, max_batch_tokens: int, draft: Transformer | None = None,
-                 tree: TreeSpec = TreeSpec()):
+                 tree: TreeSpec = TreeSpec(), cache_slots: int = 1):
         self.model = model
         self.draft = draft
         self.tree = tree
@@ -202,7 +207,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         # the KV caches of the last generation, reused by the next one when its prompt extends
         # them (the next turn of a conversation); None turns prefix reuse off
-        self.prefix_cache: PrefixCache | None = PrefixCache(max_context + max_batch_tokens)
+        self.prefix_cache: PrefixCache | None = PrefixCache(max_context + max_batch_tokens, cache_slots)
 
     @property
     def config(self) -> ModelConfig:
@@ -216,7 +221,7 @@ class Engine:
              tree: str = "auto", tree_budget: int | None = None, tree_depth: int | None = None,
              specinfer_width: int = 4,
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
-             progress: bool = True) -> "Engine":
+             cache_slots: int = 1, progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -229,7 +234,8 @@ class Engine:
         default "auto": Sequoia's tree with the size and depth the optimizer picks from this
         machine's profile and the pair's acceptance vectors (`auto_tree`), at most `tree_budget`
         nodes (default 1024) and `tree_depth` levels (default 24). Other kinds default to 64
-        nodes and 8 levels.
+        nodes and 8 levels. `cache_slots` conversations keep their KV caches for prefix reuse
+        (each one reserved in the placement plan, for the target and the draft).
         """
         auto = tree == "auto"
         if auto:
@@ -242,7 +248,7 @@ class Engine:
             spec = _tree_spec(tree, 64 if tree_budget is None else tree_budget, 8 if tree_depth is None else tree_depth,
                               specinfer_width, acceptance)
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
-                   max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size)
+                   max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size, cache_slots)
         tokenizer = Tokenizer.from_folder(s.folder)
         if tokenizer.vocab_size > s.cfg.vocab_size:
             raise UserError(f"{s.folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
@@ -271,7 +277,7 @@ class Engine:
             if tree == "sequoia" and acceptance is None:
                 stored = _usable_vectors(stored_vectors(target_fp, dkey), spec)
         engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, spec.max_nodes),
-                     draft_model, spec if draft_model is not None else TreeSpec())
+                     draft_model, spec if draft_model is not None else TreeSpec(), cache_slots)
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
         if auto and draft_model is not None:
             engine._plan_auto(acceptance, cap_budget, cap_depth, progress)
@@ -378,6 +384,8 @@ class Engine:
             vector, path, t = nearest(self.stored_acceptance, params.temperature)
             spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
         draft = self.draft if spec.kind != "none" else None  # --tree none: the draft sits idle
+        if self.prefix_cache is not None:
+            self.prefix_cache.select(self.model, ids)
         decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget, self.prefix_cache)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()

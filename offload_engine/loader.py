@@ -27,6 +27,7 @@ class OffloadOptions:
     max_batch_tokens: int = 1024  # widest forward pass (prefill chunk, largest tree)
     direct_io: bool = True  # O_DIRECT for the disk tier
     store_root: Path | None = None  # where packed layer stores live (default: the cache folder)
+    cache_slots: int = 1  # KV caches kept for prefix reuse (conversations); each reserved in the plan
 
 
 def default_buffers(device: torch.device) -> int:
@@ -48,7 +49,7 @@ def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, o
                      vram_bytes=parse_size(opts.vram) if opts.vram is not None else default_vram,
                      ram_bytes=parse_size(opts.ram) if opts.ram is not None else default_ram,
                      buffers=opts.buffers or default_buffers(device), max_context=max_context, max_batch_tokens=opts.max_batch_tokens,
-                     draft_bytes=draft_bytes)
+                     draft_bytes=draft_bytes, cache_slots=opts.cache_slots)
 
 
 def _host_block(nbytes: int, device: torch.device) -> torch.Tensor:

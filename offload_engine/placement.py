@@ -106,9 +106,15 @@ def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return (count(global_shapes(cfg)) + cfg.num_layers * count(layer_shapes(cfg))) * elt
 
 
+def kv_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Bytes of one KV cache of `tokens` slots for every layer of `cfg`."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * torch.empty((), dtype=dtype).element_size()
+
+
 def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batch_tokens: int,
-                draft_bytes: int = 0) -> dict[str, int]:
-    """Bytes of everything that must be resident on the device besides the decoder layers."""
+                draft_bytes: int = 0, cache_slots: int = 1) -> dict[str, int]:
+    """Bytes of everything that must be resident on the device besides the decoder layers;
+    `cache_slots` KV caches (conversations kept for prefix reuse)."""
     elt = torch.empty((), dtype=dtype).element_size()
     h, v = cfg.hidden_size, cfg.vocab_size
     parts = {"embeddings": v * h * elt}
@@ -116,7 +122,8 @@ def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batc
         parts["lm_head"] = v * h * elt
     parts["final norm"] = h * elt
     kv_tokens = max_context + max_batch_tokens  # committed prefix + scratch slots for the batch
-    parts["kv cache"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_tokens * elt
+    parts["kv cache" if cache_slots == 1 else f"kv cache ({cache_slots} slots)"] = \
+        cache_slots * kv_cache_bytes(cfg, dtype, kv_tokens)
     # activations of the widest batch: residual stream and its temporaries, q/k/v/attention out,
     # the MLP's gate/up/product, and fp32 logits for every row (an estimate, erring high)
     q = cfg.num_heads * cfg.head_dim
@@ -128,7 +135,7 @@ def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batc
 
 def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vram_bytes: int,
               ram_bytes: int, buffers: int = 2, max_context: int, max_batch_tokens: int,
-              draft_bytes: int = 0, layer_bytes: int | None = None) -> PlacementPlan:
+              draft_bytes: int = 0, layer_bytes: int | None = None, cache_slots: int = 1) -> PlacementPlan:
     """Decide each layer's tier. Refuses, naming the numbers, a plan that cannot fit.
     `layer_bytes` overrides the packed layer size (the simulator's quantised weights)."""
     if offload not in OFFLOAD_MODES:
@@ -137,7 +144,9 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
         raise UserError(f"--buffers must be at least 1, got {buffers}")
     L = cfg.num_layers
     layer = layer_bytes if layer_bytes is not None else LayerLayout.for_config(cfg, dtype).block_bytes
-    fixed = fixed_parts(cfg, dtype, max_context, max_batch_tokens, draft_bytes)
+    if cache_slots < 1:
+        raise UserError(f"--cache-slots must be at least 1, got {cache_slots}")
+    fixed = fixed_parts(cfg, dtype, max_context, max_batch_tokens, draft_bytes, cache_slots)
     need = sum(fixed.values())
     if offload == "none" or (offload == "auto" and need + L * layer <= vram_bytes):
         if need + L * layer > vram_bytes:

@@ -34,6 +34,7 @@ from .engine import Engine, GenerationResult
 from .errors import GenerationCancelled, UserError
 
 DEFAULT_MAX_QUEUE = 16
+KEEPALIVE_S = 10.0  # a stream waiting in the queue or on a long pass sends an SSE comment this often
 MAX_STOP_STRINGS = 4
 ROLES = {"system", "developer", "user", "assistant"}
 
@@ -92,7 +93,8 @@ def _optional(body: dict, name: str, check: Callable[[object], bool], what: str,
     return value
 
 
-def _common(body: dict, engine: Engine, model_name: str, ids: list[int], default_max: int) -> GenRequest:
+def _common(body: dict, engine: Engine, model_name: str, ids: list[int], default_max: int,
+            prompt_param: str) -> GenRequest:
     """The settings chat and completions share, checked in OpenAI's terms."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -141,7 +143,7 @@ def _common(body: dict, engine: Engine, model_name: str, ids: list[int], default
     room = engine.max_context - len(ids)
     if room < 1:
         raise bad(f"the prompt has {len(ids)} tokens; this model's context holds {engine.max_context} "
-                  "(--max-context), with room for at least one new token", "messages", "context_length_exceeded")
+                  "(--max-context), with room for at least one new token", prompt_param, "context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _optional(body, name, _is_int, "an integer", min(default_max, room))
     if not 1 <= max_tokens <= room:
@@ -193,7 +195,7 @@ def parse_chat(body: dict, engine: Engine, model_name: str) -> GenRequest:
         ids = engine.tokenizer.encode_chat(clean)
     except UserError as e:  # the checkpoint's template refused these messages (e.g. roles out of order)
         raise bad(str(e), "messages") from None
-    return _common(body, engine, model_name, ids, default_max=engine.max_context)
+    return _common(body, engine, model_name, ids, default_max=engine.max_context, prompt_param="messages")
 
 
 def parse_completion(body: dict, engine: Engine, model_name: str) -> GenRequest:
@@ -217,7 +219,7 @@ def parse_completion(body: dict, engine: Engine, model_name: str) -> GenRequest:
     for name, allowed in (("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1))):
         if body.get(name) not in allowed:
             raise bad(f"'{name}' is not supported", name)
-    return _common(body, engine, model_name, ids, default_max=16)  # OpenAI's default for completions
+    return _common(body, engine, model_name, ids, default_max=16, prompt_param="prompt")  # 16: OpenAI's default
 
 
 # ---- the queue and the worker -------------------------------------------------------------------
@@ -255,7 +257,8 @@ class Scheduler:
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full (the engine busy and max_queue waiting)."""
         with self._cond:
-            if self._running is not None and len(self._waiting) >= self.max_queue:
+            # one generating (or about to: the worker may not have woken yet) plus max_queue waiting
+            if self._closed or len(self._waiting) + (self._running is not None) > self.max_queue:
                 self.counts["rejected"] += 1
                 return False
             self._waiting.append(job)
@@ -282,6 +285,9 @@ class Scheduler:
             self._closed = True
             for job in self._waiting:
                 job.cancel.set()
+                job.finished = True
+                job.push("cancelled", None)
+            self._waiting.clear()
             self._cond.notify_all()
         if self._running is not None:
             self._running.cancel.set()
@@ -295,23 +301,20 @@ class Scheduler:
                 if self._closed:
                     return
                 job = self._running = self._waiting.popleft()
-            outcome = "failed"
             try:
-                job.push("done", self._generate(job))
-                outcome = "completed"
+                outcome, event = "completed", ("done", self._generate(job))
             except GenerationCancelled:
-                job.push("cancelled", None)
-                outcome = "cancelled"
+                outcome, event = "cancelled", ("cancelled", None)
             except UserError as e:
-                job.push("error", bad(str(e)))
+                outcome, event = "failed", ("error", bad(str(e)))
             except Exception as e:  # a bug or a device failure: report it, keep serving
                 traceback.print_exc(file=sys.stderr)
-                job.push("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
-            finally:
+                outcome, event = "failed", ("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+            with self._cond:  # the engine is free and counted before the client hears the end
+                self._running = None
+                self.counts[outcome] += 1
                 job.finished = True
-                with self._cond:
-                    self._running = None
-                    self.counts[outcome] += 1
+            job.push(*event)
 
     def _generate(self, job: Job) -> GenerationResult:
         r = job.request
@@ -342,8 +345,10 @@ def _extra(result: GenerationResult) -> dict:
             "prefilled_tokens": s["prefilled_tokens"]}
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE):
-    """The FastAPI app serving `engine` as `model_name`; its scheduler is app.state.scheduler."""
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+               cors_origins: list[str] | None = None):
+    """The FastAPI app serving `engine` as `model_name`; its scheduler is app.state.scheduler.
+    `cors_origins` lets browser pages from those origins call it (none by default)."""
     if max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {max_queue}")
     created = int(time.time())
@@ -357,6 +362,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             app.state.scheduler.close()
 
     app = FastAPI(title="sequoia-offload", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     def error(e: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if e.status == 429 else None
@@ -408,7 +417,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                                             "owned_by": "sequoia-offload",
                                             "context_length": engine.max_context}]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request):
         authorize(request)
         if name != model_name:
@@ -480,7 +489,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             if chat:
                 yield chunk([piece(None, None, first=True)])
             while True:
-                kind, value = await job.events.get()
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:  # queued, or a long pass: keep the connection (and proxies) alive
+                    yield ": keep-alive\n\n"
+                    continue
                 if kind == "text":
                     yield chunk([piece(value, None)])
                 elif kind == "done":
@@ -511,10 +524,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = DEFAULT_MAX_QUEUE, log_level: str = "info") -> None:
+          max_queue: int = DEFAULT_MAX_QUEUE, cors_origins: list[str] | None = None, log_level: str = "info") -> None:
     """Run the server until Ctrl-C (`sequoia-offload serve`)."""
     import uvicorn
-    app = create_app(engine, model_name, api_key, max_queue)
+    app = create_app(engine, model_name, api_key, max_queue, cors_origins)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"sequoia-offload: warning: serving on {host} without --api-key: anyone who can reach this "
               "machine can use the model", file=sys.stderr)

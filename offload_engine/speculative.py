@@ -118,29 +118,60 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    """Each model's KV cache kept from one generation to the next (prefix reuse): a prompt that
-    extends the tokens already cached (the next turn of the same conversation) prefills only
-    what is new. Each cache is allocated once at the size the placement plan reserves for it
-    (the context plus the widest pass), so it never grows or moves."""
+    """KV caches kept from one generation to the next (prefix reuse): a prompt that extends the
+    tokens a cache holds (the next turn of the same conversation) prefills only what is new.
 
-    def __init__(self, max_capacity: int):
+    `slots` conversations are kept (each slot one cache per model, allocated on first use at the
+    size the placement plan reserves: the context plus the widest pass, so none ever grows). A
+    generation takes the slot whose tokens it shares most with, among the slots it would keep at
+    least half of (an empty slot counts); when every slot would lose more than half, it takes the
+    least recently used one. So a short side request (a desktop assistant asking for a title)
+    lands in another slot rather than wiping the conversation, given two slots."""
+
+    def __init__(self, max_capacity: int, slots: int = 1):
+        if slots < 1:
+            raise ValueError(f"a prefix cache needs at least one slot, got {slots}")
         self.max_capacity = max_capacity  # the context plus the widest forward pass
-        self._seqs: dict[Transformer, CachedSequence] = {}
+        self._slots: list[dict[Transformer, CachedSequence]] = [{} for _ in range(slots)]
+        self._used = [0] * slots  # when each slot was last chosen (a counter)
+        self._clock = 0
+        self.current = 0  # the slot of the generation in hand
+
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    def select(self, target: Transformer, ids: list[int]) -> int:
+        """Choose the slot for a generation whose prompt is `ids` (see the class docstring)."""
+        candidates = []
+        for k, seqs in enumerate(self._slots):
+            cached = seqs[target].tokens if target in seqs else []
+            shared = common_prefix(cached, ids)
+            if 2 * shared >= len(cached):  # keeps at least half of what the slot holds (an empty slot too)
+                candidates.append((shared, self._used[k], k))  # most shared, then most recently used
+        best = max(candidates)[2] if candidates else min(range(len(self._slots)), key=self._used.__getitem__)
+        self._clock += 1
+        self._used[best] = self._clock
+        self.current = best
+        return best
 
     def sequence(self, model: Transformer, capacity: int) -> CachedSequence:
+        """The model's cache in the current slot."""
         if capacity > self.max_capacity:
             raise ValueError(f"a generation needs {capacity} cache slots; the prefix cache holds {self.max_capacity}")
-        seq = self._seqs.get(model)
-        if seq is None:
-            seq = self._seqs[model] = CachedSequence(model.new_cache(self.max_capacity), [])
-        return seq
+        seqs = self._slots[self.current]
+        if model not in seqs:
+            seqs[model] = CachedSequence(model.new_cache(self.max_capacity), [])
+        return seqs[model]
 
-    def tokens(self, model: Transformer) -> list[int]:
-        seq = self._seqs.get(model)
+    def tokens(self, model: Transformer, slot: int | None = None) -> list[int]:
+        seq = self._slots[self.current if slot is None else slot].get(model)
         return list(seq.tokens) if seq is not None else []
 
     def clear(self) -> None:
-        self._seqs.clear()
+        for seqs in self._slots:
+            seqs.clear()
+        self._used = [0] * len(self._slots)
 
 
 class SpeculativeDecoder:
@@ -148,11 +179,13 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None):
+        if spec.kind == "none":
+            draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
         self.static_parents = spec.shape()
         need = capacity + spec.max_nodes
-        self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None else CachedSequence(m.new_cache(need), [])
-                     for m in (target, draft) if m is not None]
+        self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None
+                     else CachedSequence(m.new_cache(need), []) for m in (target, draft) if m is not None]
         self.target_cache = self.seqs[0].cache
         self.draft_cache = self.seqs[1].cache if draft is not None else None
         self.reused_tokens = 0  # prompt tokens whose target K/V came from the previous generation
@@ -164,9 +197,9 @@ class SpeculativeDecoder:
         for model, seq in zip((self.target, self.draft), self.seqs):
             cache, dev = seq.cache, model.device
             is_target = model is self.target
-            start = min(common_prefix(seq.tokens, ids), len(ids) - 1 if is_target else len(ids))
+            start = min(common_prefix(seq.tokens, ids), len(ids) - 1 if is_target else len(ids), cache.length)
+            del seq.tokens[start:]  # the token list first: it may run short of the cache, never past it
             cache.truncate(start)
-            del seq.tokens[start:]
             if is_target:
                 self.reused_tokens = start
             for lo in range(start, len(ids), chunk):

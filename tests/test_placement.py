@@ -155,3 +155,18 @@ def test_plan_command_counts_a_draft(folder, tmp_path, capsys):
     assert main(["plan", "--target", str(folder), "--device", "cpu", "--draft", str(draft),
                  "--vram", str(expected)]) == 2
     assert "draft" in capsys.readouterr().err
+
+
+def test_cache_slots_and_the_drafts_kv_cache_are_reserved(folder, cfg):
+    """Every KV cache prefix reuse keeps (per slot, for the target and for the draft) is in the
+    plan, counted by hand: 2 (K and V) x layers x KV heads x head dim x tokens x 4 bytes."""
+    from offload_engine.engine import plan_only
+    hand = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (CTX + 1024) * 4
+    one = plan_only(folder, device="cpu", max_context=CTX)[0].fixed_bytes
+    two = plan_only(folder, device="cpu", max_context=CTX, cache_slots=2)[0].fixed_bytes
+    assert one["kv cache"] == hand and two["kv cache (2 slots)"] == 2 * hand
+    d1 = plan_only(folder, device="cpu", max_context=CTX, draft=folder)[0].fixed_bytes["draft"]
+    d2 = plan_only(folder, device="cpu", max_context=CTX, draft=folder, cache_slots=2)[0].fixed_bytes["draft"]
+    assert d2 - d1 == hand  # the draft (here the same shape as the target) has one cache per slot too
+    with pytest.raises(UserError, match="--cache-slots must be at least 1"):
+        plan_only(folder, device="cpu", max_context=CTX, cache_slots=0)

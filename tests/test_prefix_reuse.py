@@ -5,6 +5,7 @@ streamed; a cancelled generation leaves the cache usable."""
 import threading
 
 import pytest
+import torch
 
 from offload_engine import Engine
 from offload_engine.errors import GenerationCancelled
@@ -173,3 +174,110 @@ def test_a_long_prompt_after_a_short_one_decodes_as_fresh(pair):
         assert engine.generate(long_prompt, max_new_tokens=4).token_ids == longer.token_ids
     finally:
         engine.close()
+
+
+class CancelAfterLayers:
+    """The model's layers, setting `event` once `after` layers have run in all: a cancel that
+    lands inside a given pass (a prefill chunk, a verification pass)."""
+
+    def __init__(self, layers, event, after):
+        self.layers, self.event, self.after, self.count = layers, event, after, 0
+
+    def __iter__(self):
+        for w in self.layers:
+            self.count += 1
+            if self.count == self.after:
+                self.event.set()
+            yield w
+
+    def __getattr__(self, name):
+        return getattr(self.layers, name)
+
+
+@pytest.mark.parametrize("where", ["prefill", "verify"])
+def test_a_cancel_inside_a_target_pass_leaves_both_caches_right(pair, tmp_path, monkeypatch, where):
+    """Cancelled in the middle of a prefill chunk or of a verification pass (draft = target, so
+    every draft token is accepted while the draft's cache is right): the next generation reuses
+    what was kept and decodes exactly as from scratch, with the identical draft still always
+    accepted."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = pair[0]
+    engine = _load(target, draft=target, tree="chain", tree_depth=4, max_batch_tokens=16)
+    prompt = "Hello, world! How are you today?" + " The capital of France is Paris." * 6
+    n_layers = engine.config.num_layers
+    try:
+        cancel = threading.Event()
+        chunks = -(-len(engine.prompt_ids(prompt)) // 16)
+        # the target's layers run: prefill chunks first, then one pass per step
+        after = n_layers * (chunks // 2) + 2 if where == "prefill" else n_layers * (chunks + 3) + 2
+        real_layers = engine.model.layers
+        engine.model.layers = CancelAfterLayers(real_layers, cancel, after)
+        with pytest.raises(GenerationCancelled):
+            engine.generate(prompt, max_new_tokens=40, cancel=cancel)
+        engine.model.layers = real_layers
+        kept = engine.prefix_cache.tokens(engine.model)
+        assert len(kept) <= engine.prefix_cache.sequence(engine.model, 1).cache.length
+        if where == "prefill":
+            assert len(kept) == 16 * (chunks // 2)  # the whole chunks before the cancelled one
+        again = engine.generate(prompt, max_new_tokens=40)
+        assert again.stats["cached_prompt_tokens"] == min(len(kept), len(engine.prompt_ids(prompt)) - 1)
+        assert again.stats["tokens_per_step"] >= 3  # the draft's cache was kept right too
+        engine.forget_prefix()
+        assert engine.generate(prompt, max_new_tokens=40).token_ids == again.token_ids
+    finally:
+        engine.close()
+
+
+def test_a_token_list_longer_than_its_cache_repairs_itself(pair):
+    """If an interruption ever left the token list past the cache's length, the next prefill
+    trusts only what the cache holds (no error, the same tokens as from scratch)."""
+    engine = _load(pair[0])
+    try:
+        first = engine.generate("The capital of France is", max_new_tokens=8)
+        seq = engine.prefix_cache.sequence(engine.model, 1)
+        seq.cache.truncate(3)  # as if cut back with the token list not yet trimmed
+        again = engine.generate("The capital of France is", max_new_tokens=8)
+        assert again.stats["cached_prompt_tokens"] == 3 and again.token_ids == first.token_ids
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_side_request_keeps_the_conversation_cached_given_two_slots(pair, slots):
+    engine = _load(pair[0], cache_slots=slots)
+    try:
+        history = [{"role": "user", "content": TURNS[0]}]
+        first = engine.generate(messages=history, max_new_tokens=12)
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": TURNS[1]}]
+        side = engine.generate("Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000", max_new_tokens=6)  # e.g. a title request
+        assert side.stats["cached_prompt_tokens"] == 0
+        second = engine.generate(messages=history, max_new_tokens=12)
+        reused = second.stats["cached_prompt_tokens"]
+        if slots == 2:
+            assert reused >= first.stats["prompt_tokens"]  # the side request took the other slot
+        else:
+            assert reused < 4  # one slot: the side request replaced the conversation
+        engine.forget_prefix()
+        assert engine.generate(messages=history, max_new_tokens=12).token_ids == second.token_ids
+    finally:
+        engine.close()
+
+
+def test_slot_choice_prefers_the_longest_shared_prefix_then_the_least_recently_used():
+    from offload_engine.speculative import PrefixCache
+
+    class Model:  # only its identity and new_cache matter here
+        def new_cache(self, capacity):
+            from offload_engine.kv_cache import KVCache
+            return KVCache(1, 1, 2, capacity, torch.float32)
+
+    m = Model()
+    cache = PrefixCache(64, slots=3)
+    for slot, toks in ((0, [1, 2, 3, 4]), (1, [1, 2, 9, 9, 9, 9]), (2, [7, 7])):
+        cache.current = slot
+        cache.sequence(m, 8).tokens.extend(toks)
+        cache._used[slot] = slot + 1
+    assert cache.select(m, [1, 2, 3, 4, 5]) == 0  # shares all of slot 0
+    assert cache.select(m, [7, 7, 7]) == 2
+    assert cache.select(m, [1, 2, 9, 5]) == 1  # keeps 3 of slot 1's 6 tokens: at least half
+    assert cache.select(m, [5, 5]) == 0  # shares too little with any: the least recently used slot

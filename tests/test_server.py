@@ -208,7 +208,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, "prompt"),
     ("/v1/completions", {"model": MODEL}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi " * 600}, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi " * 600}, "prompt"),
     ("/v1/completions", b"{not json", None),
     ("/v1/completions", b"[1, 2]", None),
 ]
@@ -220,7 +220,7 @@ def test_bad_requests_get_400_and_an_error_object(live, path, body, param):
     assert status == 400, got
     err = got["error"]
     assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param, err
-    if param == "messages" and isinstance(body, dict) and "hi " * 600 in json.dumps(body):
+    if isinstance(body, dict) and "hi " * 600 in json.dumps(body):
         assert err["code"] == "context_length_exceeded" and "context" in err["message"]
     # the server stays up and answers the next request
     ok, answer = raw(live, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
@@ -360,3 +360,91 @@ def test_second_turn_reuses_the_first_turns_cache_over_http(live, client):
     fresh = client.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=16)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.choices[0].message.content == second.choices[0].message.content
+
+
+def test_an_idle_server_still_holds_the_queue_bound_against_a_burst():
+    """The bound counts the request the worker is about to take: with --max-queue 0, a burst on
+    an idle server gets one request in (the worker may not have woken yet) and 429 for the rest."""
+    import asyncio
+
+    from offload_engine.server import GenRequest, Job, Scheduler
+
+    class HeldEngine:  # stands in for the engine: holds each generation until released
+        def __init__(self):
+            self.gate = threading.Event()
+
+        def generate(self, **kw):
+            self.gate.wait(timeout=30)
+            raise RuntimeError("released")
+
+    engine = HeldEngine()
+    scheduler = Scheduler(engine, max_queue=0)
+    loop = asyncio.new_event_loop()
+    try:
+        req = GenRequest([1], 1, 0.0, 1.0, 0, None, [], False, False)
+        accepted = [scheduler.submit(Job(req, loop)) for _ in range(5)]
+        assert accepted == [True, False, False, False, False]
+        assert scheduler.status()["rejected"] == 4
+    finally:
+        engine.gate.set()
+        scheduler.close()
+        loop.close()
+
+
+def test_a_queued_stream_gets_keep_alive_comments(live, monkeypatch):
+    """While a streamed request waits (in the queue, or on a long pass), SSE comments keep the
+    connection alive; OpenAI clients skip them, and the stream still ends with [DONE]."""
+    import offload_engine.server as server
+    engine = live[1]
+    gate = threading.Event()
+    real = engine.generate
+
+    def gated(*args, **kw):
+        gate.wait(timeout=60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine, "generate", gated)
+    monkeypatch.setattr(server, "KEEPALIVE_S", 0.05)
+    req = urllib.request.Request(live[0].url + "/v1/completions", method="POST", data=json.dumps(
+        {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = []
+        for raw_line in r:
+            line = raw_line.decode().strip()
+            lines.append(line)
+            if line == ": keep-alive" and lines.count(": keep-alive") == 3:
+                gate.set()
+            if line == "data: [DONE]":
+                break
+    assert lines.count(": keep-alive") >= 3
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert lines.index(": keep-alive") < first_data and lines[-1] == "data: [DONE]"
+    client = openai.OpenAI(base_url=live[0].url + "/v1", api_key=KEY, max_retries=0)
+    gate.clear()
+    threading.Timer(0.3, gate.set).start()
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == real("Hello", max_new_tokens=3).text
+
+
+def test_cors_is_off_by_default_and_on_for_the_origins_given(live):
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+
+    def options(url):
+        req = urllib.request.Request(url + "/v1/chat/completions", method="OPTIONS", headers=preflight)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.headers.get("access-control-allow-origin")
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("access-control-allow-origin")
+
+    assert options(live[0].url)[1] is None  # not by default
+    app = create_app(live[1], "org/tiny-chat", cors_origins=["http://localhost:3000"])
+    other = LiveServer(app)
+    try:
+        assert options(other.url) == (200, "http://localhost:3000")
+        with urllib.request.urlopen(other.url + "/v1/models/org/tiny-chat", timeout=10) as r:
+            assert json.loads(r.read())["id"] == "org/tiny-chat"  # an id with a slash
+    finally:
+        other.stop()
