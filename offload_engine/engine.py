@@ -99,9 +99,9 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
         raise UserError(f"--cache-slots must be at least 1, got {cache_slots}")
     opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens, cache_slots=cache_slots)
     draft_bytes, draft_folder, draft_cfg = _draft_parts(draft, folder, cfg, dt, draft_group_size, progress)
-    if draft is not None:  # the draft's own KV caches (a self-draft has the target's shape)
-        draft_bytes += cache_slots * kv_cache_bytes(draft_cfg or cfg, dt, limit + max_batch_tokens)
-    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit, draft_bytes),
+    # the draft's own KV caches, one per slot (a self-draft has the target's shape)
+    draft_kv = cache_slots * kv_cache_bytes(draft_cfg or cfg, dt, limit + max_batch_tokens) if draft is not None else 0
+    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit, draft_bytes, draft_kv),
                   draft_folder, draft_cfg)
 
 

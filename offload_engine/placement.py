@@ -112,7 +112,7 @@ def kv_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
 
 
 def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batch_tokens: int,
-                draft_bytes: int = 0, cache_slots: int = 1) -> dict[str, int]:
+                draft_bytes: int = 0, cache_slots: int = 1, draft_kv_bytes: int = 0) -> dict[str, int]:
     """Bytes of everything that must be resident on the device besides the decoder layers;
     `cache_slots` KV caches (conversations kept for prefix reuse)."""
     elt = torch.empty((), dtype=dtype).element_size()
@@ -130,12 +130,15 @@ def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batc
     parts["workspace"] = max_batch_tokens * ((4 * h + 3 * q + 3 * cfg.intermediate_size) * elt + v * 4)
     if draft_bytes:
         parts["draft"] = draft_bytes
+    if draft_kv_bytes:
+        parts["draft kv cache" if cache_slots == 1 else f"draft kv cache ({cache_slots} slots)"] = draft_kv_bytes
     return parts
 
 
 def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vram_bytes: int,
               ram_bytes: int, buffers: int = 2, max_context: int, max_batch_tokens: int,
-              draft_bytes: int = 0, layer_bytes: int | None = None, cache_slots: int = 1) -> PlacementPlan:
+              draft_bytes: int = 0, layer_bytes: int | None = None, cache_slots: int = 1,
+              draft_kv_bytes: int = 0) -> PlacementPlan:
     """Decide each layer's tier. Refuses, naming the numbers, a plan that cannot fit.
     `layer_bytes` overrides the packed layer size (the simulator's quantised weights)."""
     if offload not in OFFLOAD_MODES:
@@ -146,7 +149,7 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
     layer = layer_bytes if layer_bytes is not None else LayerLayout.for_config(cfg, dtype).block_bytes
     if cache_slots < 1:
         raise UserError(f"--cache-slots must be at least 1, got {cache_slots}")
-    fixed = fixed_parts(cfg, dtype, max_context, max_batch_tokens, draft_bytes, cache_slots)
+    fixed = fixed_parts(cfg, dtype, max_context, max_batch_tokens, draft_bytes, cache_slots, draft_kv_bytes)
     need = sum(fixed.values())
     if offload == "none" or (offload == "auto" and need + L * layer <= vram_bytes):
         if need + L * layer > vram_bytes:
