@@ -10,18 +10,14 @@ import torch
 from offload_engine import Engine
 from offload_engine.errors import GenerationCancelled
 from offload_engine.speculative import common_prefix
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_pair
 
 TURNS = ["What is the capital of France?", "And of Italy?", "Say hello to the world."]
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix")
-    target = make_tiny_checkpoint(root / "target", "llama3-gqa", layers=3, init_std=0.3, seed=1)
-    draft = make_tiny_checkpoint(root / "draft", "llama3-gqa", layers=1, hidden=32, heads=2, intermediate=64,
-                                 init_std=0.3, seed=2)
-    return target, draft
+    return make_tiny_pair(tmp_path_factory.mktemp("prefix"))
 
 
 def _load(folder, **kw):

@@ -103,6 +103,21 @@ def wait_for(predicate, timeout=10.0):
     return True
 
 
+def hold_generations(monkeypatch, engine, prompts=None):
+    """Each generation waits for the returned gate before it runs (the engine looks busy);
+    prompts, when given, records each generation's prompt ids in the order they started."""
+    gate, real = threading.Event(), engine.generate
+
+    def held(*args, **kw):
+        if prompts is not None:
+            prompts.append(kw["input_ids"])
+        gate.wait(timeout=60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine, "generate", held)
+    return gate
+
+
 def chat_messages(i=0):
     return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question number {i}: hello?"}]
 
@@ -266,15 +281,8 @@ def test_eight_concurrent_clients_all_get_complete_correct_answers(live, client)
 
 def test_a_full_queue_answers_429_and_the_queue_is_fifo(live, client, monkeypatch):
     engine, scheduler = live[1], live[2].state.scheduler
-    gate, order = threading.Event(), []
-    real = engine.generate
-
-    def gated(*args, **kw):
-        order.append(kw["input_ids"])
-        gate.wait(timeout=60)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(engine, "generate", gated)
+    real, order = engine.generate, []
+    gate = hold_generations(monkeypatch, engine, order)
     monkeypatch.setattr(scheduler, "max_queue", 2)
     rejected_before = health(live)["rejected"]
     prompts = [f"First {i}" for i in range(3)]
@@ -325,14 +333,7 @@ def test_a_client_that_disconnects_cancels_its_generation(live, client, monkeypa
 
 def test_a_waiting_request_whose_client_leaves_is_dropped_from_the_queue(live, client, monkeypatch):
     engine = live[1]
-    gate = threading.Event()
-    real = engine.generate
-
-    def gated(*args, **kw):
-        gate.wait(timeout=60)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(engine, "generate", gated)
+    gate = hold_generations(monkeypatch, engine)
     start = health(live)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(client.completions.create, model=MODEL, prompt="held", temperature=0, max_tokens=2)
@@ -396,14 +397,8 @@ def test_a_queued_stream_gets_keep_alive_comments(live, monkeypatch):
     connection alive; OpenAI clients skip them, and the stream still ends with [DONE]."""
     import offload_engine.server as server
     engine = live[1]
-    gate = threading.Event()
     real = engine.generate
-
-    def gated(*args, **kw):
-        gate.wait(timeout=60)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(engine, "generate", gated)
+    gate = hold_generations(monkeypatch, engine)
     monkeypatch.setattr(server, "KEEPALIVE_S", 0.05)
     req = urllib.request.Request(live[0].url + "/v1/completions", method="POST", data=json.dumps(
         {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}).encode(),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from offload_engine import Engine, UserError
-from tiny_models import greedy_past_eos, make_tiny_checkpoint
+from tiny_models import greedy_past_eos, make_tiny_pair
 
 PROMPT = "The capital of France is"
 KINDS = [("sequoia", 24, 5), ("specexec", 24, 5), ("specinfer", 0, 4), ("chain", 0, 5)]
@@ -13,11 +13,7 @@ KINDS = [("sequoia", 24, 5), ("specexec", 24, 5), ("specinfer", 0, 4), ("chain",
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    target = make_tiny_checkpoint(root / "target", "llama3-gqa", layers=3, init_std=0.3, seed=1)
-    wrong = make_tiny_checkpoint(root / "wrong", "llama3-gqa", layers=1, hidden=32, heads=2, intermediate=64,
-                                 init_std=0.3, seed=2)
-    return target, wrong
+    return make_tiny_pair(tmp_path_factory.mktemp("spec"))
 
 
 @pytest.fixture(scope="module")

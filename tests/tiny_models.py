@@ -77,6 +77,16 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama3-gqa", seed: int
     return path
 
 
+def make_tiny_pair(root: str | Path) -> tuple[Path, Path]:
+    """A 3-layer target and a 1-layer, half-width draft of another seed (same tokenizer): a draft
+    that agrees with its target only by chance."""
+    root = Path(root)
+    target = make_tiny_checkpoint(root / "target", "llama3-gqa", layers=3, init_std=0.3, seed=1)
+    draft = make_tiny_checkpoint(root / "draft", "llama3-gqa", layers=1, hidden=32, heads=2, intermediate=64,
+                                 init_std=0.3, seed=2)
+    return target, draft
+
+
 def greedy_past_eos(folder, prompt: str, max_new_tokens: int, **load_kw):
     """Greedy decoding that does not stop at end-of-sequence tokens, so that two runs compare
     token for token over a fixed length, on an engine loaded with `load_kw` and closed after.
