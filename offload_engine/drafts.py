@@ -25,12 +25,16 @@ from .config import ModelConfig
 from .errors import UserError
 from .fsutil import remove_stale_temps
 from .model import Transformer
-from .quant import DEFAULT_GROUP_SIZE, QuantizedLinear, quantize_int8, quantized_bytes
+from .quant import (DEFAULT_GROUP_SIZE, QuantizedLinear, pack_nibbles, quantize_int4, quantize_int8,
+                    quantized_bytes, unpack_nibbles)
 
 SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "benchmarks" / "drafts" / "smollm2-135m-instruct"
 LAYERS_FILE = "layers.safetensors"
 Q8_SUFFIX, SCALE_SUFFIX = ".int8", ".int8_scale"  # a committed int8 matrix and its per-row scales
+# a committed int4 matrix: two 4-bit codes a byte, and each group's float16 scale and minimum
+Q4_SUFFIX, Q4_SCALE_SUFFIX, Q4_MIN_SUFFIX = ".int4", ".int4_scale", ".int4_min"
+PACKED_SUFFIXES = (Q8_SUFFIX, SCALE_SUFFIX, Q4_SUFFIX, Q4_SCALE_SUFFIX, Q4_MIN_SUFFIX)
 EMBED = "model.embed_tokens.weight"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -129,46 +133,64 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
     return folder
 
 
-def pack_default_draft(distilled: Path, dest: Path = DEFAULT_DRAFT, weights: str = "int8") -> None:
+def pack_default_draft(distilled: Path, dest: Path = DEFAULT_DRAFT, weights: str = "int8",
+                       group_size: int = DEFAULT_GROUP_SIZE) -> None:
     """Write the committed form of a distilled draft: everything but the (target's) embeddings.
     Only a draft at the target's hidden size has the target's (frozen) embeddings. With
     weights="int8" each projection matrix is stored as int8 with one scale per output channel
-    (`quant.quantize_int8`, error at most max|row|/254 per weight) and dequantised to the draft's
-    dtype when the folder is rebuilt; "same" stores them as they are."""
-    if weights not in ("int8", "same"):
-        raise ValueError(f"weights must be 'int8' or 'same', got {weights!r}")
+    (`quant.quantize_int8`, error at most max|row|/254 per weight); with "int4", as 4-bit codes
+    in groups of `group_size` inputs with a float16 scale and minimum per group
+    (`quant.quantize_int4`, error at most (max - min)/30 per weight before the float16 rounding
+    of scale and minimum: 0.56 bytes a weight, so about 12 layers of SmolLM2-135M fit the 25 MB a
+    committed draft may take, against 7 in int8). Matrices are dequantised to the draft's dtype
+    when the folder is rebuilt; "same" stores them as they are."""
+    if weights not in ("int8", "int4", "same"):
+        raise ValueError(f"weights must be 'int8', 'int4' or 'same', got {weights!r}")
     report = json.loads((distilled / "distill.json").read_text())
     if report["options"].get("hidden") not in (None, json.loads((Path(report["target"]) / "config.json").read_text())
                                                ["hidden_size"]):
         raise UserError(f"{distilled} was distilled at another hidden size: its embeddings are its own")
     tensors = load_file(str(distilled / "model.safetensors"))
     embed = tensors.pop(EMBED)
-    if weights == "int8":
+    if weights != "same":
         packed = {}
         for name, w in tensors.items():
-            if w.dim() == 2:
-                q, scale = quantize_int8(w)
-                packed[name + Q8_SUFFIX], packed[name + SCALE_SUFFIX] = q, scale
-            else:
+            if w.dim() != 2:
                 packed[name] = w
+            elif weights == "int8":
+                packed[name + Q8_SUFFIX], packed[name + SCALE_SUFFIX] = quantize_int8(w)
+            else:
+                if w.shape[1] % group_size:
+                    raise UserError(f"{distilled}: {name} has {w.shape[1]} inputs, not a multiple of the int4 "
+                                    f"group size {group_size}")
+                q, scale, lo = quantize_int4(w, group_size)
+                packed[name + Q4_SUFFIX] = pack_nibbles(q)
+                packed[name + Q4_SCALE_SUFFIX], packed[name + Q4_MIN_SUFFIX] = scale.half(), lo.half()
         tensors = packed
     dest.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dest / LAYERS_FILE), metadata={"format": "pt"})
     shutil.copyfile(distilled / "config.json", dest / "config.json")
     shutil.copyfile(distilled / "distill.json", dest / "distill.json")
-    (dest / "provenance.json").write_text(json.dumps({"embeddings_sha256": _digest(embed), "weights": weights},
-                                                     indent=2) + "\n")
+    provenance = {"embeddings_sha256": _digest(embed), "weights": weights}
+    if weights == "int4":
+        provenance["group_size"] = group_size
+    (dest / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
 
 def unpack_layers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The committed layers with int8 matrices dequantised to the dtype of the other tensors."""
-    dtype = next((w.dtype for n, w in tensors.items() if not n.endswith((Q8_SUFFIX, SCALE_SUFFIX))), torch.float32)
+    """The committed layers with int8 / int4 matrices dequantised to the dtype of the other tensors."""
+    dtype = next((w.dtype for n, w in tensors.items() if not n.endswith(PACKED_SUFFIXES)), torch.float32)
     out = {}
     for name, w in tensors.items():
         if name.endswith(Q8_SUFFIX):
             base = name[:-len(Q8_SUFFIX)]
             out[base] = (w.float() * tensors[base + SCALE_SUFFIX][:, None]).to(dtype)
-        elif not name.endswith(SCALE_SUFFIX):
+        elif name.endswith(Q4_SUFFIX):
+            base = name[:-len(Q4_SUFFIX)]
+            scale, lo = tensors[base + Q4_SCALE_SUFFIX].float(), tensors[base + Q4_MIN_SUFFIX].float()
+            q = unpack_nibbles(w).float().reshape(w.shape[0], scale.shape[1], -1)
+            out[base] = (q * scale[..., None] + lo[..., None]).reshape(w.shape[0], -1).to(dtype)
+        elif not name.endswith(PACKED_SUFFIXES):
             out[name] = w
     return out
 

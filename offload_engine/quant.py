@@ -66,11 +66,11 @@ def error_bound(w: torch.Tensor, scheme: str, group_size: int = DEFAULT_GROUP_SI
     return ((g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 30).expand_as(g).reshape(N, K)
 
 
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
-def _unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(p.shape[0], -1)
 
 
@@ -106,7 +106,7 @@ class QuantizedLinear:
             ql = cls(scheme, N, K, 0, dtype, "dequant", q.to(device), scale.to(device))
         else:
             q, scale, lo = quantize_int4(w, group_size)
-            ql = cls(scheme, N, K, group_size, dtype, "dequant", _pack_nibbles(q).to(device), scale.to(device),
+            ql = cls(scheme, N, K, group_size, dtype, "dequant", pack_nibbles(q).to(device), scale.to(device),
                      lo.to(device))
         if want == "kernel":
             ql._try_kernel(q)
@@ -156,7 +156,7 @@ class QuantizedLinear:
             raise ValueError("an int4 weight in the kernel's packed layout is not dequantised")
         if self.scheme == "int8":
             return (self.data.to(torch.float32) * self.scale.float()[:, None]).to(self.dtype)
-        q = _unpack_nibbles(self.data).to(torch.float32).reshape(self.out_features, -1, self.group_size)
+        q = unpack_nibbles(self.data).to(torch.float32).reshape(self.out_features, -1, self.group_size)
         w = q * self.scale[..., None] + self.minimum[..., None]
         return w.reshape(self.out_features, self.in_features).to(self.dtype)
 

@@ -201,19 +201,21 @@ def test_smaller_hidden_size_trains_everything(setup, tmp_path):
 
 def test_default_draft_rebuilt_from_committed_layers(setup, tmp_path, monkeypatch):
     """The committed form (layers without the target's embeddings) rebuilds the distilled folder:
-    exactly when stored as is; with int8 matrices, each weight within quant's int8 bound (plus the
-    bfloat16 rounding of the result), norms exact. It refuses another target and loads as --draft
-    default."""
+    exactly when stored as is; with int8 or int4 matrices, each weight within quant's bound for
+    the scheme (plus the float16 rounding of int4's scale and minimum, and the bfloat16 rounding
+    of the result), norms exact. It refuses another target and loads as --draft default."""
     import offload_engine.drafts as drafts
     from offload_engine.quant import error_bound
     root, target, prompts = setup
     out = distill(target, tmp_path / "d", _opts(prompts, tokens=200, save_dtype="bfloat16"), progress=False)
     a = load_file(str(out / "model.safetensors"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    for weights in ("same", "int8"):
+    sizes = {}
+    for weights in ("same", "int8", "int4"):
         packed = tmp_path / f"committed-{weights}"
         drafts.pack_default_draft(out, packed, weights=weights)
         stored = load_file(str(packed / drafts.LAYERS_FILE))
+        sizes[weights] = (packed / drafts.LAYERS_FILE).stat().st_size
         assert "model.embed_tokens.weight" not in stored
         monkeypatch.setattr(drafts, "DEFAULT_DRAFT", packed)
         rebuilt = drafts.default_draft_dir(target, progress=False)
@@ -223,16 +225,21 @@ def test_default_draft_rebuilt_from_committed_layers(setup, tmp_path, monkeypatc
             assert all(torch.equal(a[n], b[n]) for n in a)
             continue
         matrices = [n for n in a if a[n].dim() == 2 and n != "model.embed_tokens.weight"]
-        assert matrices and all(stored[n + drafts.Q8_SUFFIX].dtype == torch.int8 for n in matrices)
+        suffix = drafts.Q8_SUFFIX if weights == "int8" else drafts.Q4_SUFFIX
+        assert matrices and all(stored[n + suffix].dtype == (torch.int8 if weights == "int8" else torch.uint8)
+                                for n in matrices)
         for n in a:
             if n in matrices:
                 w = a[n].float()
-                slack = error_bound(w, "int8") + w.abs().amax(1, keepdim=True) * 2 ** -8  # bf16 rounding
+                slack = error_bound(w, weights, 64) + w.abs().amax(1, keepdim=True) * 2 ** -8  # bf16 rounding
+                if weights == "int4":  # float16 scale and minimum: 15 x scale (the group's range) and |min|
+                    slack = slack + 2 * error_bound(w, "int4", 64) * 15 * 2 ** -11 + w.abs().amax(1, keepdim=True) * 2 ** -11
                 err = (b[n].float() - w).abs()
                 assert (err <= slack).all(), n
                 assert err.max() > 0  # it really was quantised
             else:
                 assert torch.equal(a[n], b[n]), n
+    assert sizes["int4"] < 0.6 * sizes["int8"] and sizes["int8"] < 0.6 * sizes["same"]  # bytes per weight: 0.56, 1, 2
     assert drafts.default_draft_dir(target, progress=False) == rebuilt  # built once
     other = make_tiny_checkpoint(tmp_path / "other", "smollm-tied", layers=3, init_std=0.3, seed=6)
     with pytest.raises(UserError, match="distilled for another target"):

@@ -11,7 +11,7 @@ from offload_engine.config import load_config
 from offload_engine.drafts import build_self_draft, self_draft_bytes
 from offload_engine.model import Transformer
 from offload_engine.quant import (
-    QuantizedLinear, _pack_nibbles, _unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
+    QuantizedLinear, pack_nibbles, unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
 )
 from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
@@ -51,7 +51,7 @@ def test_int4_error_within_bound(group):
 
 def test_nibbles_round_trip():
     q = torch.randint(0, 16, (8, 32), dtype=torch.uint8)
-    assert torch.equal(_unpack_nibbles(_pack_nibbles(q)), q)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
