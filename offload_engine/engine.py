@@ -95,8 +95,6 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     limit = max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
     if limit > cfg.max_context:
         raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
-    if cache_slots < 1:
-        raise UserError(f"--cache-slots must be at least 1, got {cache_slots}")
     opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens, cache_slots=cache_slots)
     draft_bytes, draft_folder, draft_cfg = _draft_parts(draft, folder, cfg, dt, draft_group_size, progress)
     # the draft's own KV caches, one per slot (a self-draft has the target's shape)
@@ -383,10 +381,11 @@ class Engine:
         elif spec.kind == "sequoia" and self.stored_acceptance:
             vector, path, t = nearest(self.stored_acceptance, params.temperature)
             spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
-        draft = self.draft if spec.kind != "none" else None  # --tree none: the draft sits idle
         if self.prefix_cache is not None:
             self.prefix_cache.select(self.model, ids)
-        decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget, self.prefix_cache)
+        # (--tree none, or auto choosing plain decoding: the decoder leaves the draft idle)
+        decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
+                                     self.prefix_cache)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()

@@ -137,10 +137,6 @@ class PrefixCache:
         self._clock = 0
         self.current = 0  # the slot of the generation in hand
 
-    @property
-    def slots(self) -> int:
-        return len(self._slots)
-
     def select(self, target: Transformer, ids: list[int]) -> int:
         """Choose the slot for a generation whose prompt is `ids` (see the class docstring)."""
         candidates = []
@@ -164,8 +160,9 @@ class PrefixCache:
             seqs[model] = CachedSequence(model.new_cache(self.max_capacity), [])
         return seqs[model]
 
-    def tokens(self, model: Transformer, slot: int | None = None) -> list[int]:
-        seq = self._slots[self.current if slot is None else slot].get(model)
+    def tokens(self, model: Transformer) -> list[int]:
+        """The tokens the model's cache holds in the current slot."""
+        seq = self._slots[self.current].get(model)
         return list(seq.tokens) if seq is not None else []
 
     def clear(self) -> None:
@@ -222,7 +219,7 @@ class SpeculativeDecoder:
     def step(self, root: int) -> StepResult:
         tree = Tree(root, self.spec.max_nodes)
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
-        draft_probs = self._grow(tree) if self.draft is not None and self.spec.kind != "none" else None
+        draft_probs = self._grow(tree) if self.draft is not None else None
         result = self._verify(tree, draft_probs)
         path = [0] + list(result.accepted)
         kept = [tree.tokens[i] for i in path]
