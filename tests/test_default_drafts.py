@@ -49,9 +49,10 @@ def test_stored_vectors_cover_every_draft_and_temperature():
 
 def test_committed_draft_is_the_trained_one_small_and_documented():
     """Top-1 agreement with the target's greedy answers to 4 held-out prompts, teacher-forced:
-    the committed draft measured p_1 = 0.29 on benchmarks/prompts.jsonl (0.35 on its own held-out
-    answers); its starting point (the target's first 6 layers, untrained) ~0.05. The floor 0.14
-    sits between them."""
+    the committed 12-layer draft (int4-packed, as rebuilt) measured 0.36 here (69 of 192 answer
+    tokens; 0.43 on its distillation's held-out answers); its starting point (the target's first 12
+    layers, untrained) 0.09 on those answers. The floor 0.20 sits between them, about four standard
+    errors (0.035 at 192 positions) under what was measured."""
     import torch
     from offload_engine.checkpoint import Checkpoint
     from offload_engine.config import load_config
@@ -75,4 +76,4 @@ def test_committed_draft_is_the_trained_one_small_and_documented():
         rows = slice(len(ids) - 1, len(seq) - 1)
         agree += int((logits[0][rows].argmax(-1) == logits[1][rows].argmax(-1)).sum())
         total += len(answer)
-    assert agree / total > 0.14, agree / total
+    assert agree / total > 0.20, agree / total
