@@ -447,7 +447,8 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     head = ", ".join(f"{p:.3f}" for p in vector.probs[:8])
     print(f"acceptance ({args.mode}, {count} {'steps' if args.mode == 'on-policy' else 'positions'}): "
-          f"p_1..p_8 = [{head}], sum = {sum(vector.probs):.3f} -> {args.out}")
+          f"p_1..p_8 = [{head}] (sum {sum(vector.probs[:8]):.3f}; all {len(vector.probs)}: "
+          f"{sum(vector.probs):.3f}) -> {args.out}")
     return 0
 
 
