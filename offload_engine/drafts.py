@@ -25,8 +25,8 @@ from .config import ModelConfig
 from .errors import UserError
 from .fsutil import remove_stale_temps
 from .model import Transformer
-from .quant import (DEFAULT_GROUP_SIZE, QuantizedLinear, pack_nibbles, quantize_int4, quantize_int8,
-                    quantized_bytes, unpack_nibbles)
+from .quant import (DEFAULT_GROUP_SIZE, QuantizedLinear, dequantize_int4, dequantize_int8, pack_nibbles,
+                    quantize_int4, quantize_int8, quantized_bytes)
 
 SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "benchmarks" / "drafts" / "smollm2-135m-instruct"
@@ -184,12 +184,10 @@ def unpack_layers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, w in tensors.items():
         if name.endswith(Q8_SUFFIX):
             base = name[:-len(Q8_SUFFIX)]
-            out[base] = (w.float() * tensors[base + SCALE_SUFFIX][:, None]).to(dtype)
+            out[base] = dequantize_int8(w, tensors[base + SCALE_SUFFIX]).to(dtype)
         elif name.endswith(Q4_SUFFIX):
             base = name[:-len(Q4_SUFFIX)]
-            scale, lo = tensors[base + Q4_SCALE_SUFFIX].float(), tensors[base + Q4_MIN_SUFFIX].float()
-            q = unpack_nibbles(w).float().reshape(w.shape[0], scale.shape[1], -1)
-            out[base] = (q * scale[..., None] + lo[..., None]).reshape(w.shape[0], -1).to(dtype)
+            out[base] = dequantize_int4(w, tensors[base + Q4_SCALE_SUFFIX], tensors[base + Q4_MIN_SUFFIX]).to(dtype)
         elif not name.endswith(PACKED_SUFFIXES):
             out[name] = w
     return out

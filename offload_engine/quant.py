@@ -74,6 +74,18 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(p.shape[0], -1)
 
 
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] and per-row scales [N] -> the float32 matrix."""
+    return q.to(torch.float32) * scale.float()[:, None]
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """Nibble-packed codes [N, K/2] and each group's scale and minimum [N, K/g] -> the float32 matrix."""
+    N, groups = scale.shape
+    q = unpack_nibbles(packed).to(torch.float32).reshape(N, groups, -1)
+    return (q * scale.float()[..., None] + minimum.float()[..., None]).reshape(N, -1)
+
+
 @dataclass
 class QuantizedLinear:
     """A weight matrix [out_features, in_features] in int8 or int4, with its matmul."""
@@ -155,10 +167,8 @@ class QuantizedLinear:
         if self.scheme == "int4" and self.backend == "kernel":
             raise ValueError("an int4 weight in the kernel's packed layout is not dequantised")
         if self.scheme == "int8":
-            return (self.data.to(torch.float32) * self.scale.float()[:, None]).to(self.dtype)
-        q = unpack_nibbles(self.data).to(torch.float32).reshape(self.out_features, -1, self.group_size)
-        w = q * self.scale[..., None] + self.minimum[..., None]
-        return w.reshape(self.out_features, self.in_features).to(self.dtype)
+            return dequantize_int8(self.data, self.scale).to(self.dtype)
+        return dequantize_int4(self.data, self.scale, self.minimum).to(self.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend == "dequant":

@@ -25,6 +25,7 @@ from offload_engine.distill import DistillOptions, _Model, evaluate, load_teache
 from offload_engine.drafts import DEFAULT_DRAFT, default_draft_dir  # noqa: E402
 from offload_engine.errors import UserError  # noqa: E402
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafts", nargs="*", default=["default"])

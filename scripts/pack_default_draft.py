@@ -15,12 +15,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload_engine.drafts import DEFAULT_DRAFT, pack_default_draft  # noqa: E402
+from offload_engine.quant import DEFAULT_GROUP_SIZE  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("distilled", type=Path)
     ap.add_argument("--weights", default="int8", choices=("int8", "int4", "same"))
-    ap.add_argument("--group-size", type=int, default=64, help="int4: inputs per group (default 64)")
+    ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+                    help=f"int4: inputs per group (default {DEFAULT_GROUP_SIZE})")
     args = ap.parse_args()
     pack_default_draft(args.distilled, weights=args.weights, group_size=args.group_size)
     print(f"packed {args.distilled} ({args.weights}) -> {DEFAULT_DRAFT}")
