@@ -24,20 +24,26 @@ def _fill(p: np.ndarray, n: int, d: int):
     best_b = np.zeros((n + 1, d + 1), dtype=np.int32)
     split = np.zeros((n + 1, d + 1, w + 1), dtype=np.int32)  # y chosen for T[m, l, b]
     G[1, 1:] = 1.0
+    rows = np.arange(n + 1)
+    cand = np.empty((n + 1, n + 1))  # cand[m, y]: b-1 children in y nodes, child b in m-y
     for l in range(2, d + 1):
         T = np.full(n + 1, NEG)
         T[1] = 1.0  # b = 0: the root alone
         best = T.copy()
         sub = np.concatenate([np.full(n, NEG), G[:, l - 1]])  # sub[n + k] = G[k, l-1]
-        shifted = sliding_window_view(sub, n + 1)[::-1]  # shifted[y, m] = G[m - y, l-1]
-        # p_b * shifted when p_b = 0: 0 where the subtree exists, -inf where it does not (a plain
-        # product would give NaN there; measured vectors often end in zeros)
-        zero_term = np.where(np.isneginf(shifted), NEG, 0.0)
+        # shifted[m, y] = G[m - y, l-1] = sub[n + m - y]: row m is a reversed window of sub, copied
+        # so that every pass below (and the argmax over y) runs along contiguous memory
+        shifted = np.ascontiguousarray(sliding_window_view(sub[::-1], n + 1)[::-1])
+        missing = np.isneginf(shifted)
         for b in range(1, w + 1):
-            # cand[y, m]: b-1 children in y nodes, child b in m-y
-            cand = T[:, None] + (p[b - 1] * shifted if p[b - 1] > 0 else zero_term)
-            y = cand.argmax(axis=0)
-            T = cand[y, np.arange(n + 1)]
+            if p[b - 1] > 0:
+                np.multiply(shifted, p[b - 1], out=cand)
+            else:  # p_b * shifted when p_b = 0: 0 where the subtree exists, -inf where it does not
+                cand.fill(0.0)  # (a plain product would give NaN there; measured vectors often end in zeros)
+                cand[missing] = NEG
+            cand += T[None, :]
+            y = cand.argmax(axis=1)
+            T = cand[rows, y]
             split[:, l, b] = y
             better = T > best
             best = np.where(better, T, best)
