@@ -3,7 +3,7 @@
 
 import sys
 
-from offload_engine.cli import main
+from offload_engine.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

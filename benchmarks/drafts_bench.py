@@ -47,7 +47,7 @@ def _pass_seconds(model, width: int, context: int, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from offload_engine import Engine
-    from offload_engine.acceptance_store import stored_vectors
+    from offload_engine.speculation.acceptance_store import stored_vectors
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--drafts", default="self-int8,self-int4,default")
     p.add_argument("--budgets", default="16,64,128")

@@ -14,7 +14,7 @@ import time
 def bandwidth_gbps(nbytes: int, pinned: bool, repeats: int) -> float:
     """The profiler's measurement (the one `--tree auto` relies on), on the current GPU."""
     import torch
-    from offload_engine.profiler import h2d_gbps
+    from offload_engine.planning.profiler import h2d_gbps
     return h2d_gbps(nbytes, torch.device("cuda"), pinned, repeats)
 
 

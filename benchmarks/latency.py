@@ -132,7 +132,7 @@ def _peer(args, prompts: list[dict], max_new_tokens: int, engine) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from offload_engine.measure import read_prompts
+    from offload_engine.speculation.measure import read_prompts
     if args.quick:
         args.limit, args.max_new_tokens, args.budgets = 3, 32, "16"
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -200,7 +200,7 @@ def _machine() -> dict:
     import platform
 
     import torch
-    from offload_engine.profiler import machine_name
+    from offload_engine.planning.profiler import machine_name
     return {"machine": machine_name(torch.device("cpu")), "cpus": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 

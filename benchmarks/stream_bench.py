@@ -57,7 +57,7 @@ def raw_mover(engine, store):
     """A callable timing the floor of one pass's data movement for the engine's tier: O_DIRECT
     reads of every block (disk), or copies of every RAM-tier block into one device buffer (ram)."""
     import torch
-    from offload_engine.layer_store import aligned_buffer
+    from offload_engine.runtime.layer_store import aligned_buffer
     plan, executor = engine.plan, engine.model.layers
     if plan.disk_layers:
         # one long-lived buffer, like the executor's own: O_DIRECT into a freshly mapped buffer
@@ -81,7 +81,7 @@ def measure_width(engine, raw, width: int, prefix: int, repeats: int) -> dict:
     """Raw read time and pass time, interleaved (raw, pass, raw, pass, ...) so that the disk's
     speed drifting over the run affects both alike; medians of `repeats` each."""
     import torch
-    from offload_engine.model import causal_mask
+    from offload_engine.runtime.model import causal_mask
     model = engine.model
     g = torch.Generator().manual_seed(width)
     vocab = engine.config.vocab_size
@@ -158,9 +158,9 @@ def accelerate_per_token(folder: Path, prompt_ids: list[int], tokens: int, tier:
 def run(args: argparse.Namespace) -> int:
     import torch
     from offload_engine import Engine
-    from offload_engine.checkpoint import Checkpoint
-    from offload_engine.default_model import cache_root
-    from offload_engine.layer_store import open_or_build
+    from offload_engine.formats.checkpoint import Checkpoint
+    from offload_engine.formats.default_model import cache_root
+    from offload_engine.runtime.layer_store import open_or_build
 
     torch.manual_seed(0)
     engine = Engine.load(args.target, device=args.device, offload=args.offload, buffers=args.buffers,

@@ -42,8 +42,9 @@ def _run(engine, prompts, max_new_tokens) -> tuple[float, int, int]:
 def check_machine(args) -> dict:
     """--tree auto's choice, and fixed Sequoia trees (so that speculative steps are checked even
     where auto chooses plain decoding), each predicted from the profile and then run."""
-    from offload_engine import Engine, profiler, simulator
-    from offload_engine.measure import read_prompts
+    from offload_engine import Engine
+    from offload_engine.planning import profiler, simulator
+    from offload_engine.speculation.measure import read_prompts
     prompts = read_prompts(ROOT / "benchmarks" / "prompts.jsonl")[: args.prompts]
     common = dict(device="cpu", offload="disk", draft=args.draft)
     engine = Engine.load("default", tree="auto", progress=True, **common)
@@ -74,7 +75,7 @@ def check_machine(args) -> dict:
 
 
 def check_paper() -> dict:
-    from offload_engine import simulator
+    from offload_engine.planning import simulator
     n, d = PAPER["tree"]
     sim = simulator.simulate("l40", 512 * 2**30, "llama-2-70b", "llama-2-7b", precision="fp16", offload="ram",
                              tree=(n, d), tokens_per_step=PAPER["tokens_per_step"])

@@ -17,19 +17,20 @@ from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH
 from sequoia_trees.sampling import SamplingParams
 
-from .acceptance_store import draft_key, fingerprint, nearest, stored_vectors
-from .auto_tree import AUTO_MAX_BUDGET
-from .checkpoint import Checkpoint
-from .config import ModelConfig, load_config, parse_dtype
-from .detokenize import TextStream
-from .drafts import SELF_DRAFTS, build_self_draft, check_group_size, default_draft_dir, self_draft_bytes, self_draft_scheme
 from .errors import UserError
-from .loader import OffloadOptions, load_target, make_placement
-from .model import Transformer
-from .placement import PlacementPlan, kv_cache_bytes, model_bytes
-from .quant import DEFAULT_GROUP_SIZE
-from .speculative import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
-from .tokenizer import Tokenizer
+from .formats.checkpoint import Checkpoint, fingerprint
+from .formats.config import ModelConfig, load_config, parse_dtype
+from .formats.detokenize import TextStream
+from .formats.tokenizer import Tokenizer
+from .planning.auto_tree import AUTO_MAX_BUDGET
+from .runtime.loader import OffloadOptions, load_target, make_placement
+from .runtime.model import Transformer
+from .runtime.placement import PlacementPlan, kv_cache_bytes, model_bytes
+from .runtime.quant import DEFAULT_GROUP_SIZE
+from .speculation.acceptance_store import draft_key, nearest, stored_vectors
+from .speculation.decoder import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
+from .speculation.drafts import (SELF_DRAFTS, build_self_draft, check_group_size, default_draft_dir, self_draft_bytes,
+                                 self_draft_scheme)
 
 DEFAULT_MAX_CONTEXT = 8192
 OnToken = Callable[[int, str], None]
@@ -46,7 +47,7 @@ class GenerationResult:
 def resolve_target(target: str | Path | None, progress: bool = True) -> Path:
     """'default' (or None) is the embedded SmolLM2-135M-Instruct; anything else is a folder."""
     if target is None or str(target) == "default":
-        from .default_model import default_model_dir
+        from .formats.default_model import default_model_dir
         return default_model_dir(progress=progress)
     folder = Path(target).expanduser()
     if not folder.is_dir():
@@ -228,7 +229,7 @@ class Engine:
         defaults to 2 on CUDA and 6 on the CPU. With a `draft` (a checkpoint folder with the same
         tokenizer, "default" for the embedded pair's distilled draft, or "self-int8"/"self-int4"
         for a quantised copy of the target, int4 in groups of `draft_group_size`), kept resident,
-        generation speculates with a tree of kind `tree` (see `speculative.TREE_KINDS`), by
+        generation speculates with a tree of kind `tree` (see `speculation.decoder.TREE_KINDS`), by
         default "auto": Sequoia's tree with the size and depth the optimizer picks from this
         machine's profile and the pair's acceptance vectors (`auto_tree`), at most `tree_budget`
         nodes (default 1024) and `tree_depth` levels (default 24). Other kinds default to 64
@@ -283,12 +284,13 @@ class Engine:
 
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
                    progress: bool) -> None:
-        from . import auto_tree, profiler
+        from .planning import auto_tree, profiler
+        from .speculation import measure
         prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
             print(f"sequoia-offload: {'measured' if fresh else 'using'} the machine profile {path}", file=sys.stderr)
         vectors = ({0.0: (acceptance, Path("given"))} if acceptance is not None
-                   else auto_tree.vectors_for(self, progress))
+                   else measure.vectors_for(self, progress))
         self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth)
         if progress:
             for plan in self.auto_plans.values():

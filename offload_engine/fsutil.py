@@ -1,4 +1,5 @@
-"""Crash safety for folders written under a temporary name and renamed into place."""
+"""Where files live (the cache folder, the installed data) and crash safety for files and
+folders written under a temporary name and renamed into place. Every layer uses it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ import time
 from pathlib import Path
 
 STALE_TEMP_SECONDS = 3600  # a temporary folder older than this was left by a dead process
+# the folder holding offload_engine/, hw_profiles/ and benchmarks/: the repository, or site-packages
+INSTALL_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data (the default prompt list)
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/sequoia-offload, else ~/.cache/sequoia-offload."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    root = Path(base) if base else Path.home() / ".cache"
+    return root / "sequoia-offload"
 
 
 def remove_stale_temps(folder: Path, pattern: str) -> None:

@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from offload_engine.config import load_config  # noqa: E402
-from offload_engine.default_model import default_model_dir  # noqa: E402
-from offload_engine.distill import DistillOptions, _Model, evaluate, load_teacher  # noqa: E402
-from offload_engine.drafts import DEFAULT_DRAFT, default_draft_dir  # noqa: E402
+from offload_engine.apps.distill import DistillOptions, _Model, evaluate, load_teacher  # noqa: E402
 from offload_engine.errors import UserError  # noqa: E402
+from offload_engine.formats.config import load_config  # noqa: E402
+from offload_engine.formats.default_model import default_model_dir  # noqa: E402
+from offload_engine.speculation.drafts import DEFAULT_DRAFT, default_draft_dir  # noqa: E402
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ timeout 180 $PY benchmarks/stream_bench.py --device cuda --offload ram --widths 
 bench_rc=${PIPESTATUS[0]}
 
 step "profile (cuda, RAM tier, self-int8 draft): the CUDA path of the profiler"
-timeout 120 $PY -m offload_engine.cli profile --device cuda --offload ram --draft self-int8 --budget-s 60 \
+timeout 120 $PY -m offload_engine profile --device cuda --offload ram --draft self-int8 --budget-s 60 \
     --out "$OUT/profile_cuda.json" 2>&1 | tail -30 | tee "$OUT/profile_cuda.txt"
 profile_rc=${PIPESTATUS[0]}
 

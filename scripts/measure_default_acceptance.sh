@@ -12,7 +12,7 @@ drafts=("$@")
 for draft in "${drafts[@]}"; do
   for t in 0 0.6; do
     name="smollm2-135m-instruct__${draft}__t${t}.json"
-    "$PY" -m offload_engine.cli acceptance --target default --draft "$draft" --offload none \
+    "$PY" -m offload_engine acceptance --target default --draft "$draft" --offload none \
       --prompts benchmarks/prompts.jsonl --width 16 --max-new-tokens 96 --temperature "$t" --seed 0 \
       --out "hw_profiles/acceptance/$name"
   done

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offload_engine.drafts import DEFAULT_DRAFT, pack_default_draft  # noqa: E402
-from offload_engine.quant import DEFAULT_GROUP_SIZE  # noqa: E402
+from offload_engine.runtime.quant import DEFAULT_GROUP_SIZE  # noqa: E402
+from offload_engine.speculation.drafts import DEFAULT_DRAFT, pack_default_draft  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-import offload_engine.acceptance_store as store
 from offload_engine import Engine
-from offload_engine.cli import main
+from offload_engine.apps.cli import main
+from offload_engine.formats.checkpoint import fingerprint
+import offload_engine.speculation.acceptance_store as store
 from tiny_models import make_tiny_checkpoint
 
 
@@ -22,10 +23,10 @@ def models(tmp_path_factory):
 def test_fingerprint_tells_weights_apart(models, tmp_path):
     import shutil
     a, b = models
-    assert store.fingerprint(a) == store.fingerprint(a)
-    assert store.fingerprint(a) != store.fingerprint(b)  # same config and tokenizer, other weights
+    assert fingerprint(a) == fingerprint(a)
+    assert fingerprint(a) != fingerprint(b)  # same config and tokenizer, other weights
     shutil.copytree(a, tmp_path / "moved")
-    assert store.fingerprint(tmp_path / "moved") == store.fingerprint(a)  # the folder does not matter
+    assert fingerprint(tmp_path / "moved") == fingerprint(a)  # the folder does not matter
 
 
 def _write(folder, name, target_fp, key, temperature, probs):
@@ -36,11 +37,11 @@ def _write(folder, name, target_fp, key, temperature, probs):
 def test_nearest_stored_vector_shapes_sequoia(models, tmp_path, monkeypatch):
     a, b = models
     monkeypatch.setattr(store, "STORE_DIR", tmp_path)
-    fp = store.fingerprint(a)
+    fp = fingerprint(a)
     _write(tmp_path, "cold.json", fp, "self-int8", 0.0, [0.9, 0.05])
     _write(tmp_path, "warm.json", fp, "self-int8", 0.6, [0.5, 0.2, 0.1, 0.05])
     _write(tmp_path, "other-draft.json", fp, "self-int4-g64", 0.3, [0.1])
-    _write(tmp_path, "other-target.json", store.fingerprint(b), "self-int8", 0.3, [0.1])
+    _write(tmp_path, "other-target.json", fingerprint(b), "self-int8", 0.3, [0.1])
     (tmp_path / "junk.json").write_text("[1, 2]")
     engine = Engine.load(a, tree="sequoia", draft="self-int8", tree_budget=12, tree_depth=5, progress=False)
     assert sorted(engine.stored_acceptance) == [0.0, 0.6]
@@ -71,8 +72,8 @@ def test_acceptance_command_output_is_found_by_the_store(models, tmp_path, monke
     assert main(["acceptance", "--target", str(a), "--draft", str(b), "--prompts", str(prompts), "--out", str(out),
                  "--width", "3", "--max-new-tokens", "6", "--temperature", "0.6"]) == 0
     data = json.loads(out.read_text())
-    assert data["target_fingerprint"] == store.fingerprint(a)
-    assert data["draft_key"] == "model:" + store.fingerprint(b)
+    assert data["target_fingerprint"] == fingerprint(a)
+    assert data["draft_key"] == "model:" + fingerprint(b)
     engine = Engine.load(a, tree="sequoia", draft=b, progress=False)
     assert list(engine.stored_acceptance) == [0.6]
     assert engine.generate("Hi", max_new_tokens=4).stats["acceptance_source"].startswith("measured.json")

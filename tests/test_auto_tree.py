@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-import offload_engine.auto_tree as auto_tree
-import offload_engine.profiler as profiler
-from offload_engine.cli import main
+from offload_engine.apps.cli import main
 from offload_engine.errors import UserError
-from offload_engine.hw_profile import GpuSpec, MeasuredProfile, from_dict, gpu_names, load_gpu_spec, load_measured
+from offload_engine.planning.hw_profile import GpuSpec, MeasuredProfile, from_dict, gpu_names, load_gpu_spec, load_measured
+import offload_engine.planning.profiler as profiler
+import offload_engine.speculation.measure as measure
 from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
 GOOD_GPU = {"kind": "gpu-spec", "name": "x", "description": "a GPU", "vram_gib": 24.0, "h2d_pinned_gb_per_s": 25.0,
@@ -86,7 +86,7 @@ def test_auto_with_a_fast_fake_profile_picks_a_plan_and_decodes_exactly(pair, tm
     # with no stored vector, the pair's vectors were measured once into the cache, and reused
     cached = sorted((tmp_path / "cache" / "sequoia-offload" / "acceptance").glob("*.json"))
     assert sorted(json.loads(p.read_text())["temperature"] for p in cached) == [0.0, 0.6]
-    monkeypatch.setattr(auto_tree, "measure_and_cache", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(measure, "measure_and_cache", lambda *a: pytest.fail("measured again"))
     # the profile is cached too: a second load measures nothing
     monkeypatch.setattr(profiler, "measure", lambda *a, **k: pytest.fail("profiled again"))
     again, _ = greedy_past_eos(pair, "Hello", 24, draft="self-int8", tree="auto", tree_budget=16)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.cli import main
-from offload_engine.config import load_config
+from offload_engine.apps.cli import main
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
 from tiny_models import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

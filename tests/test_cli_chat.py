@@ -5,7 +5,7 @@ import json
 import pytest
 
 from offload_engine import Engine
-from offload_engine.cli import main
+from offload_engine.apps.cli import main
 from tiny_models import make_tiny_checkpoint
 
 

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.config import load_config
-from offload_engine.loader import OffloadOptions, load_target
-from offload_engine.model import Transformer
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.runtime.loader import OffloadOptions, load_target
+from offload_engine.runtime.model import Transformer
 from test_streaming import BATCH, LAYERS, plan_for, run_script
 from tiny_models import make_tiny_checkpoint
 
@@ -56,8 +56,8 @@ def test_streamed_equals_resident_on_cuda(ckpt, tmp_path, dtype, offload, buffer
 def test_slow_copies_and_slow_compute_still_give_equal_logits(ckpt, tmp_path, monkeypatch):
     """Stretch both sides with GPU sleeps so that a missing ready/free wait would show: compute
     reading a buffer before its copy landed, or a copy overwriting a buffer still being read."""
-    import offload_engine.model as model_mod
-    from offload_engine import streamer
+    from offload_engine.runtime import streamer
+    import offload_engine.runtime.model as model_mod
     reference = _on_cuda(run_script(Transformer.from_checkpoint(ckpt, torch.float32, CUDA),
                                     ckpt.config.vocab_size, device=CUDA))
     real_fill, real_layer = streamer.LayerExecutor._fill, model_mod.decoder_layer
@@ -154,7 +154,7 @@ def test_self_draft_kernels_on_cuda(scheme):
     """The packed CUDA kernels agree with the dequantised matmul to bfloat16 precision; the int4
     one (tinygemm, sm80+) must take the weight rather than fall back. Whether torch has a CUDA
     int8 kernel depends on its version: a fallback there is reported, not failed."""
-    from offload_engine.quant import QuantizedLinear
+    from offload_engine.runtime.quant import QuantizedLinear
     assert torch.cuda.is_available(), "the cuda tests need an NVIDIA GPU"
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1)).to(CUDA, torch.bfloat16)

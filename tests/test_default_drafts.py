@@ -8,8 +8,8 @@ import json
 import pytest
 
 from offload_engine import Engine
-from offload_engine.acceptance_store import STORE_DIR
-from offload_engine.drafts import DEFAULT_DRAFT
+from offload_engine.speculation.acceptance_store import STORE_DIR
+from offload_engine.speculation.drafts import DEFAULT_DRAFT
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "Give me three tips for learning a new language."}]
@@ -54,10 +54,10 @@ def test_committed_draft_is_the_trained_one_small_and_documented():
     layers, untrained) 0.09 on those answers. The floor 0.20 sits between them, about four standard
     errors (0.035 at 192 positions) under what was measured."""
     import torch
-    from offload_engine.checkpoint import Checkpoint
-    from offload_engine.config import load_config
-    from offload_engine.drafts import default_draft_dir
-    from offload_engine.model import Transformer
+    from offload_engine.formats.checkpoint import Checkpoint
+    from offload_engine.formats.config import load_config
+    from offload_engine.runtime.model import Transformer
+    from offload_engine.speculation.drafts import default_draft_dir
     assert (DEFAULT_DRAFT / "layers.safetensors").stat().st_size <= 25 * 2**20
     assert "sequoia-offload distill" in (DEFAULT_DRAFT / "README.md").read_text()
     target = Engine.load("default", device="cpu", progress=False)

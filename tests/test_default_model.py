@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from offload_engine import Engine
-from offload_engine.default_model import default_model_dir, find_default_gguf
+from offload_engine.formats.default_model import default_model_dir, find_default_gguf
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import unicodedata
 import pytest
 from tokenizers import Tokenizer
 
-from offload_engine.default_model import default_model_dir, find_default_gguf
+from offload_engine.formats.default_model import default_model_dir, find_default_gguf
 
 pytestmark = pytest.mark.slow
 import transformers  # noqa: E402  (a test dependency: the reference implementation)

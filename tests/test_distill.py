@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from offload_engine import Engine, UserError
-from offload_engine.cli import main
-from offload_engine.distill import DistillOptions, distill, generate_batch, load_teacher, work_dir
-from offload_engine.config import load_config
-from offload_engine.model import Transformer
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.tokenizer import Tokenizer
+from offload_engine.apps.cli import main
+from offload_engine.apps.distill import DistillOptions, distill, generate_batch, load_teacher, work_dir
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.formats.tokenizer import Tokenizer
+from offload_engine.runtime.model import Transformer
 from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
 PROMPTS = ["Hello, how are you?", "What is the capital of France?", "Write add(a, b) in Python.",
@@ -114,7 +114,7 @@ def test_resume_after_a_crash_or_ctrl_c(setup, tmp_path, monkeypatch, how):
     import os
     import signal
 
-    import offload_engine.distill as d
+    import offload_engine.apps.distill as d
     root, target, prompts = setup
     full = distill(target, tmp_path / "full", _opts(prompts), progress=False)
     real, calls = d.kl_loss, {"n": 0}
@@ -142,7 +142,7 @@ def test_resume_after_a_crash_or_ctrl_c(setup, tmp_path, monkeypatch, how):
 
 def test_resume_during_generation(setup, tmp_path, monkeypatch):
     """An interruption while the target is still answering keeps the answers written so far."""
-    import offload_engine.distill as d
+    import offload_engine.apps.distill as d
     root, target, prompts = setup
     calls = {"n": 0}
     real = d.generate_batch
@@ -204,8 +204,8 @@ def test_default_draft_rebuilt_from_committed_layers(setup, tmp_path, monkeypatc
     exactly when stored as is; with int8 or int4 matrices, each weight within quant's bound for
     the scheme (plus the float16 rounding of int4's scale and minimum, and the bfloat16 rounding
     of the result), norms exact. It refuses another target and loads as --draft default."""
-    import offload_engine.drafts as drafts
-    from offload_engine.quant import error_bound
+    from offload_engine.runtime.quant import error_bound
+    import offload_engine.speculation.drafts as drafts
     root, target, prompts = setup
     out = distill(target, tmp_path / "d", _opts(prompts, tokens=200, save_dtype="bfloat16"), progress=False)
     a = load_file(str(out / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face conversion (offload_engine.gguf_import) on tiny random Llama checkpoints.
+"""GGUF -> Hugging Face conversion (offload_engine.formats.gguf_import) on tiny random Llama checkpoints.
 
 Each test builds a small LlamaForCausalLM, writes it to GGUF the way llama.cpp's converter does
 (q/k rows permuted, llama.* metadata, tokenizer in the metadata), converts it back with
@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from offload_engine import default_model, gguf_import
+from offload_engine import fsutil
 from offload_engine.errors import UserError
-from offload_engine.gguf_import import OutputExistsError, convert_gguf
+from offload_engine.formats import default_model, gguf_import
+from offload_engine.formats.gguf_import import OutputExistsError, convert_gguf
 
 import transformers  # noqa: E402  (a test dependency: the reference implementation)
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -635,9 +636,9 @@ def test_sentencepiece_vocab_tokenizer(tmp_path):
 
 def test_cache_root_and_key(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_model.cache_root() == tmp_path / "xdg" / "sequoia-offload"
+    assert fsutil.cache_root() == tmp_path / "xdg" / "sequoia-offload"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert default_model.cache_root() == Path.home() / ".cache" / "sequoia-offload"
+    assert fsutil.cache_root() == Path.home() / ".cache" / "sequoia-offload"
 
     f = tmp_path / "a.gguf"
     f.write_bytes(b"GGUF" + bytes(100))
@@ -685,7 +686,7 @@ def test_cli_convert_then_our_engine_gives_the_original_logits(tmp_path, gpt2_me
     """The whole path a user takes: `convert-gguf` on the command line, then our own loader and
     forward pass on the result, against the original (unconverted) model's logits."""
     from offload_engine import Engine
-    from offload_engine.cli import main
+    from offload_engine.apps.cli import main
     model = tiny_llama(len(gpt2_meta["tokens"]))
     src = write_gguf(tmp_path / "m.gguf", model, gpt2_meta)
     capsys.readouterr()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload_engine.kv_cache import KVCache
+from offload_engine.runtime.kv_cache import KVCache
 
 
 def _filled(n_layers=2, capacity=16):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-import offload_engine.profiler as profiler
+import offload_engine.planning.profiler as profiler
 from benchmarks import latency
-from offload_engine.cli import main
+from offload_engine.apps.cli import main
 from tiny_models import make_tiny_checkpoint
 
 
@@ -57,7 +57,7 @@ def test_quick_run_writes_every_field(pair, tmp_path, monkeypatch, capsys):
 def test_a_broken_mode_shows_as_not_equal(pair, tmp_path, monkeypatch):
     """Verification that accepts the draft's first child whatever the target says: every
     speculative mode's tokens then differ from plain decoding, and the column says so."""
-    import offload_engine.speculative as spec
+    import offload_engine.speculation.decoder as spec
     from sequoia_trees.verify import VerifyResult
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "measure", _fast_profile)

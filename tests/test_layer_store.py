@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from offload_engine import Engine
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.config import load_config
 from offload_engine.errors import UserError
-from offload_engine.layer_store import BLOCK_ALIGN, aligned_buffer, open_or_build
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.runtime.layer_store import BLOCK_ALIGN, aligned_buffer, open_or_build
 from tiny_models import make_tiny_checkpoint
 
 

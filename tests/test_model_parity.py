@@ -7,9 +7,9 @@ import torch
 import transformers
 from torch.testing import assert_close
 
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.config import load_config
-from offload_engine.model import Transformer, causal_mask
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.runtime.model import Transformer, causal_mask
 from tiny_models import FAMILIES, make_tiny_checkpoint
 
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32: summation order may differ from the reference

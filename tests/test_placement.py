@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from offload_engine.cli import main
-from offload_engine.config import load_config
+from offload_engine.apps.cli import main
 from offload_engine.errors import UserError
-from offload_engine.layer_store import BLOCK_ALIGN, LayerLayout
-from offload_engine.placement import fixed_parts, make_plan, parse_size
+from offload_engine.formats.config import load_config
+from offload_engine.runtime.layer_store import BLOCK_ALIGN, LayerLayout
+from offload_engine.runtime.placement import fixed_parts, make_plan, parse_size
 from tiny_models import make_tiny_checkpoint
 
 CTX, BATCH = 256, 64
@@ -142,7 +142,7 @@ def test_plan_command_refusal_is_one_line(folder, capsys):
 
 
 def test_plan_command_counts_a_draft(folder, tmp_path, capsys):
-    from offload_engine.placement import model_bytes
+    from offload_engine.runtime.placement import model_bytes
     draft = make_tiny_checkpoint(tmp_path / "draft", "llama3-gqa", layers=1, hidden=32, heads=2, intermediate=64)
     expected = model_bytes(load_config(draft), torch.float32)
     from safetensors import safe_open

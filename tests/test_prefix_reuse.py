@@ -9,7 +9,7 @@ import torch
 
 from offload_engine import Engine
 from offload_engine.errors import GenerationCancelled
-from offload_engine.speculative import common_prefix
+from offload_engine.speculation.decoder import common_prefix
 from tiny_models import make_tiny_pair
 
 TURNS = ["What is the capital of France?", "And of Italy?", "Say hello to the world."]
@@ -260,11 +260,11 @@ def test_a_side_request_keeps_the_conversation_cached_given_two_slots(pair, slot
 
 
 def test_slot_choice_prefers_the_longest_shared_prefix_then_the_least_recently_used():
-    from offload_engine.speculative import PrefixCache
+    from offload_engine.speculation.decoder import PrefixCache
 
     class Model:  # only its identity and new_cache matter here
         def new_cache(self, capacity):
-            from offload_engine.kv_cache import KVCache
+            from offload_engine.runtime.kv_cache import KVCache
             return KVCache(1, 1, 2, capacity, torch.float32)
 
     m = Model()

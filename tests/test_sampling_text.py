@@ -6,7 +6,7 @@ from torch.testing import assert_close
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from offload_engine.detokenize import TextStream
+from offload_engine.formats.detokenize import TextStream
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
 from tiny_models import train_tokenizer
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from offload_engine import UserError
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.config import load_config
-from offload_engine.drafts import build_self_draft, self_draft_bytes
-from offload_engine.model import Transformer
-from offload_engine.quant import (
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.runtime.model import Transformer
+from offload_engine.speculation.drafts import build_self_draft, self_draft_bytes
+from offload_engine.runtime.quant import (
     QuantizedLinear, pack_nibbles, unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
 )
 from tiny_models import greedy_past_eos, make_tiny_checkpoint
@@ -127,7 +127,7 @@ def test_self_draft_bytes_in_the_plan_and_bad_group_refused(target):
     plan8, *_ = plan_only(target, device="cpu", draft="self-int8", offload="disk")
     plan4, *_ = plan_only(target, device="cpu", draft="self-int4", draft_group_size=32, offload="disk")
     cfg = load_config(target)
-    from offload_engine.checkpoint import layer_shapes
+    from offload_engine.formats.checkpoint import layer_shapes
     fp32_layers = 3 * 4 * sum(torch.Size(s).numel() for s in layer_shapes(cfg).values())
     assert plan8.fixed_bytes["draft"] == self_draft_bytes(cfg, torch.float32, "int8", 32)
     assert 0.25 < plan8.fixed_bytes["draft"] / fp32_layers < 0.30  # 1 byte per weight, scales and norms

@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from offload_engine.cli import main
+from offload_engine.apps.cli import main
 from tiny_models import make_tiny_checkpoint
 
 
@@ -28,7 +28,7 @@ class ServeProcess:
     def __init__(self, args, env=None, timeout=180):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "offload_engine.cli", "serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "offload_engine.apps.cli", "serve", "--port", str(self.port),
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout

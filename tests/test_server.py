@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from offload_engine import Engine
-from offload_engine.server import create_app
+from offload_engine.apps.server import create_app
 from tiny_models import make_tiny_checkpoint
 
 KEY = "sk-test-key"
@@ -368,7 +368,7 @@ def test_an_idle_server_still_holds_the_queue_bound_against_a_burst():
     an idle server gets one request in (the worker may not have woken yet) and 429 for the rest."""
     import asyncio
 
-    from offload_engine.server import GenRequest, Job, Scheduler
+    from offload_engine.apps.server import GenRequest, Job, Scheduler
 
     class HeldEngine:  # stands in for the engine: holds each generation until released
         def __init__(self):
@@ -395,7 +395,7 @@ def test_an_idle_server_still_holds_the_queue_bound_against_a_burst():
 def test_a_queued_stream_gets_keep_alive_comments(live, monkeypatch):
     """While a streamed request waits (in the queue, or on a long pass), SSE comments keep the
     connection alive; OpenAI clients skip them, and the stream still ends with [DONE]."""
-    import offload_engine.server as server
+    import offload_engine.apps.server as server
     engine = live[1]
     real = engine.generate
     gate = hold_generations(monkeypatch, engine)

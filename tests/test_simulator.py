@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from offload_engine import simulator
-from offload_engine.cli import main
+from offload_engine.apps.cli import main
 from offload_engine.errors import UserError
-from offload_engine.hw_profile import load_gpu_spec, load_model_shape, model_names
+from offload_engine.planning import simulator
+from offload_engine.planning.hw_profile import load_gpu_spec, load_model_shape, model_names
 
 GIB = 2**30
 

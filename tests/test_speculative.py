@@ -46,7 +46,7 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, tmp_path, monkeypat
 def test_kv_caches_after_commits_equal_a_fresh_prefill(pair):
     """After speculative steps, both caches hold exactly the K/V a fresh prefill of the committed
     sequence gives (the accepted path gathered into place, nothing else)."""
-    from offload_engine.speculative import SpeculativeDecoder
+    from offload_engine.speculation.decoder import SpeculativeDecoder
     from sequoia_trees.sampling import SamplingParams
     target_dir, draft_dir = pair
     engine = Engine.load(target_dir, draft=draft_dir, tree="sequoia", tree_budget=16, tree_depth=4, progress=False)
@@ -94,7 +94,7 @@ def test_acceptance_command_with_an_identical_draft(pair, tmp_path, capsys, mode
     """A draft identical to the target is accepted at rank 1 every time at temperature 0."""
     import json
 
-    from offload_engine.cli import main
+    from offload_engine.apps.cli import main
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "Hello there"}]}\nThe capital of France is\n')
     out = tmp_path / "acc.json"
@@ -108,7 +108,7 @@ def test_acceptance_command_with_an_identical_draft(pair, tmp_path, capsys, mode
 
 
 def test_acceptance_command_with_a_wrong_draft_sampled(pair, tmp_path):
-    from offload_engine.cli import main
+    from offload_engine.apps.cli import main
     out = tmp_path / "acc.json"
     prompts = tmp_path / "p.txt"
     prompts.write_text("The capital of France is\nNumbers: 1 2 3\n")

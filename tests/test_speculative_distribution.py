@@ -10,10 +10,10 @@ import torch
 import transformers
 from scipy import stats
 
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.config import load_config
-from offload_engine.model import Transformer
-from offload_engine.speculative import SpeculativeDecoder, TreeSpec
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.runtime.model import Transformer
+from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from offload_engine.checkpoint import Checkpoint
-from offload_engine.config import load_config
-from offload_engine.layer_store import LayerLayout
-from offload_engine.loader import OffloadOptions, load_target
-from offload_engine.model import Transformer, causal_mask
-from offload_engine.placement import fixed_parts, make_plan
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.runtime.layer_store import LayerLayout
+from offload_engine.runtime.loader import OffloadOptions, load_target
+from offload_engine.runtime.model import Transformer, causal_mask
+from offload_engine.runtime.placement import fixed_parts, make_plan
 from tiny_models import make_tiny_checkpoint
 
 LAYERS = 4

@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from offload_engine import UserError
-from offload_engine.cli import main
-from offload_engine.tokenizer import Tokenizer
+from offload_engine.apps.cli import main
+from offload_engine.formats.tokenizer import Tokenizer
 from tiny_models import make_tiny_checkpoint
 
 

@@ -10,8 +10,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..errors import UserError
 from .config import read_json_object
-from .errors import UserError
 
 
 def _token_content(value: Any) -> str | None:

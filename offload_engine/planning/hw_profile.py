@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
+from ..fsutil import INSTALL_ROOT
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "hw_profiles"
+PROFILES_DIR = INSTALL_ROOT / "hw_profiles"
 GPU_DIR = PROFILES_DIR / "gpus"
 MODEL_DIR = PROFILES_DIR / "models"
 # unit suffixes of field names, longest first (so "_gb_per_s" wins over "_s")
@@ -220,7 +221,7 @@ def load_model_shape(name: str):
     checkpoint's config.json."""
     import tempfile
 
-    from .config import load_config
+    from ..formats.config import load_config
     path = MODEL_DIR / f"{name.lower()}.json"
     if not path.exists():
         raise UserError(f"model {name!r}: no such preset; shipped: {', '.join(model_names())}")

@@ -1,7 +1,8 @@
 """Measured acceptance vectors kept beside the hardware profiles (`hw_profiles/acceptance/`).
 
 A stored vector is the JSON the `acceptance` command writes; it names the pair it was measured
-on by fingerprints, so it is found again whatever folder the models sit in:
+on by fingerprints (`formats.checkpoint.fingerprint`), so it is found again whatever folder the
+models sit in:
   * the target: sha256 of its config.json (parsed and re-dumped with sorted keys), its
     tokenizer.json, and the first MiB of its embeddings and of its first layer's query
     projection (this tells a fine-tune, LoRA-merged or not, from its base, which share config
@@ -14,53 +15,16 @@ temperature is nearest the generation's, and falls back to a generic vector when
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from pathlib import Path
 
 from sequoia_trees.acceptance import AcceptanceVector
 
+from ..formats.checkpoint import fingerprint
+from ..fsutil import INSTALL_ROOT, cache_root
 from .drafts import self_draft_scheme
-from .errors import UserError
 
-STORE_DIR = Path(__file__).resolve().parent.parent / "hw_profiles" / "acceptance"
-_SAMPLE_BYTES = 1 << 20
-# the embeddings, and the first layer's query projection (which a LoRA merge or fine-tune changes
-# even when it leaves the embeddings alone)
-_SAMPLED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight")
-
-
-def fingerprint(folder: Path) -> str | None:
-    """16 hex digits naming a checkpoint's weights, or None when the folder cannot be read (then
-    no stored vector matches it; loading the model reports the real problem)."""
-    from .checkpoint import Checkpoint
-    from .config import load_config
-    folder = Path(folder)
-    try:
-        h = hashlib.sha256()
-        h.update(json.dumps(json.loads((folder / "config.json").read_text(encoding="utf-8")), sort_keys=True).encode())
-        tok = folder / "tokenizer.json"
-        if tok.exists():
-            h.update(tok.read_bytes())
-        file_of = Checkpoint(folder, load_config(folder)).file_of
-        for name in _SAMPLED:
-            if name in file_of:
-                h.update(name.encode())
-                h.update(_tensor_head(file_of[name], name))
-        return h.hexdigest()[:16]
-    except (OSError, ValueError, KeyError, TypeError, struct.error, UserError):
-        return None
-
-
-def _tensor_head(path: Path, name: str) -> bytes:
-    """The first MiB of one tensor's bytes, found through the safetensors header."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        start, end = header[name]["data_offsets"]
-        f.seek(8 + header_len + start)
-        return f.read(min(_SAMPLE_BYTES, end - start))
+STORE_DIR = INSTALL_ROOT / "hw_profiles" / "acceptance"
 
 
 def draft_key(draft: str | Path, draft_folder: Path | None, group_size: int) -> str | None:
@@ -95,3 +59,16 @@ def nearest(vectors: dict[float, tuple[AcceptanceVector, Path]], temperature: fl
     t = min(vectors, key=lambda k: (abs(k - temperature), k))
     vec, path = vectors[t]
     return vec, path, t
+
+
+def acceptance_cache_dir() -> Path:
+    """Where vectors measured on this machine (by `--tree auto`) are cached."""
+    return cache_root() / "acceptance"
+
+
+def known_vectors(target_fp: str | None, dkey: str | None) -> dict:
+    """The pair's vectors by temperature, stored in the repo or cached (the repo's win a tie)."""
+    found = stored_vectors(target_fp, dkey)
+    for t, v in stored_vectors(target_fp, dkey, acceptance_cache_dir()).items():
+        found.setdefault(t, v)
+    return found

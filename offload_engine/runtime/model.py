@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import Checkpoint
-from .config import ModelConfig
-from .errors import GenerationCancelled
+from ..errors import GenerationCancelled
+from ..formats.checkpoint import Checkpoint
+from ..formats.config import ModelConfig
 from .kv_cache import KVCache
 
 LayerWeights = dict[str, torch.Tensor]

@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import Checkpoint, layer_shapes
-from .config import ModelConfig
-from .errors import UserError
-from .fsutil import remove_stale_temps
-from .model import Transformer
-from .quant import (DEFAULT_GROUP_SIZE, QuantizedLinear, dequantize_int4, dequantize_int8, pack_nibbles,
-                    quantize_int4, quantize_int8, quantized_bytes)
+from ..errors import UserError
+from ..formats.checkpoint import Checkpoint, fingerprint, layer_shapes
+from ..formats.config import ModelConfig
+from ..fsutil import INSTALL_ROOT, cache_root, remove_stale_temps
+from ..runtime.model import Transformer
+from ..runtime.quant import (DEFAULT_GROUP_SIZE, QuantizedLinear, dequantize_int4, dequantize_int8, pack_nibbles,
+                             quantize_int4, quantize_int8, quantized_bytes)
 
 SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
-DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "benchmarks" / "drafts" / "smollm2-135m-instruct"
+DEFAULT_DRAFT = INSTALL_ROOT / "benchmarks" / "drafts" / "smollm2-135m-instruct"
 LAYERS_FILE = "layers.safetensors"
 Q8_SUFFIX, SCALE_SUFFIX = ".int8", ".int8_scale"  # a committed int8 matrix and its per-row scales
 # a committed int4 matrix: two 4-bit codes a byte, and each group's float16 scale and minimum
@@ -90,8 +90,6 @@ def build_self_draft(ckpt: Checkpoint, target: Transformer, scheme: str, group_s
 def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
     """The full folder of the default draft, rebuilt once into the cache from the committed layers
     and the default target's embeddings."""
-    from .default_model import cache_root
-    from .acceptance_store import fingerprint
     layers_path = DEFAULT_DRAFT / LAYERS_FILE
     try:
         meta = json.loads((DEFAULT_DRAFT / "provenance.json").read_text())
@@ -107,7 +105,7 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
     remove_stale_temps(root, f".{DEFAULT_DRAFT.name}-*.tmp-*")
     tensors = unpack_layers(load_file(str(layers_path)))
     dtype = next(iter(tensors.values())).dtype
-    from .config import load_config
+    from ..formats.config import load_config
     cfg = load_config(target_folder)
     ckpt = Checkpoint(target_folder, cfg)
     try:

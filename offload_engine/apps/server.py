@@ -30,8 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .engine import Engine, GenerationResult
-from .errors import GenerationCancelled, UserError
+from ..engine import Engine, GenerationResult
+from ..errors import GenerationCancelled, UserError
 
 DEFAULT_MAX_QUEUE = 16
 KEEPALIVE_S = 10.0  # a stream waiting in the queue or on a long pass sends an SSE comment this often

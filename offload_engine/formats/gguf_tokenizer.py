@@ -12,8 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
-
+from ..errors import UserError
 
 # llama.cpp src/llama-vocab.cpp: pre-tokenizer name -> split regexes (applied in order, each one
 # splitting the pieces the previous ones left; text no regex matches stays a piece of its own).
@@ -49,7 +48,8 @@ KNOWN_PRE_TOKENIZERS = tuple(sorted(_PRE_TOKENIZERS))
 
 
 def _bpe_pre_tokenizer(kind: str, regexes: tuple[str, ...]):
-    from tokenizers import Regex, pre_tokenizers as pt
+    from tokenizers import Regex
+    from tokenizers import pre_tokenizers as pt
 
     if kind == "gpt2":
         return pt.ByteLevel(add_prefix_space=False, use_regex=True)

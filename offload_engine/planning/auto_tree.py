@@ -3,8 +3,9 @@
 Inputs, each measured once and cached:
   * the machine's profile (`profiler`): t_target(n), t_draft(w), step overhead;
   * the pair's acceptance vectors: the stored ones (`hw_profiles/acceptance/`) or, when none is
-    stored, a quick on-policy measurement at T=0 and T=0.6 (`AUTO_PROMPTS` prompts, width 16)
-    written to <cache>/acceptance/ in the `acceptance` command's format.
+    stored, a quick on-policy measurement at T=0 and T=0.6 (`speculation.measure.vectors_for`,
+    `AUTO_PROMPTS` prompts, width 16) written to <cache>/acceptance/ in the `acceptance` command's
+    format.
 Then the optimizer picks (budget, depth) per temperature; each generation uses the choice of the
 vector nearest its temperature. A choice of budget 1 (the draft does not pay for itself) decodes
 plainly.
@@ -12,25 +13,17 @@ plainly.
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from sequoia_trees.acceptance import AcceptanceVector
-from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH, Choice, choose
-from sequoia_trees.sampling import SamplingParams
+from sequoia_trees.dp import TreeTable
+from sequoia_trees.optimizer import DEFAULT_BUDGETS, DEFAULT_MAX_DEPTH, Choice, choose
 
-from .acceptance_store import stored_vectors
-from .fsutil import atomic_write_text
+from ..speculation.decoder import TreeSpec
 from .hw_profile import MeasuredProfile
-from .speculative import TreeSpec
 
 AUTO_MAX_BUDGET = 1024
-AUTO_PROMPTS = 4
-AUTO_NEW_TOKENS = 24
-AUTO_WIDTH = 16
-AUTO_TEMPERATURES = (0.0, 0.6)
 
 
 @dataclass(frozen=True)
@@ -65,56 +58,12 @@ class AutoPlan:
                 f"({self.plain_seconds_per_token:.3f} s/token) [{self.source}]")
 
 
-def acceptance_cache_dir() -> Path:
-    from .default_model import cache_root
-    return cache_root() / "acceptance"
-
-
-def known_vectors(target_fp: str | None, dkey: str | None) -> dict:
-    """The pair's vectors by temperature, stored in the repo or cached (the repo's win a tie)."""
-    found = stored_vectors(target_fp, dkey)
-    for t, v in stored_vectors(target_fp, dkey, acceptance_cache_dir()).items():
-        found.setdefault(t, v)
-    return found
-
-
-def vectors_for(engine, progress: bool) -> dict:
-    """The pair's vectors by temperature: stored in the repo, cached, or measured now."""
-    return known_vectors(engine.target_fingerprint, engine.draft_key) or measure_and_cache(engine, progress)
-
-
-def measure_and_cache(engine, progress: bool) -> dict:
-    from . import measure
-    from .distill import DEFAULT_PROMPTS
-    if progress:
-        print(f"sequoia-offload: no acceptance vector is stored for this pair: measuring one on-policy "
-              f"({AUTO_PROMPTS} prompts x {AUTO_NEW_TOKENS} tokens, width {AUTO_WIDTH}, T="
-              f"{' and '.join(f'{t:g}' for t in AUTO_TEMPERATURES)}), once; cached", file=sys.stderr)
-    prompts = measure.read_prompts(DEFAULT_PROMPTS)[:AUTO_PROMPTS]
-    root = acceptance_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for t in AUTO_TEMPERATURES:
-        vector, steps = measure.on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0)
-        data = measure.vector_record(engine, vector, steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
-                                     len(prompts), engine.draft_key)
-        name = f"{engine.target_fingerprint}__{_safe(engine.draft_key)}__t{t:g}.json"
-        atomic_write_text(root / name, json.dumps(data, indent=2) + "\n")
-        out[t] = (vector, root / name)
-    return out
-
-
-def _safe(key: str | None) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
-
-
 def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MAX_BUDGET,
               max_depth: int = DEFAULT_MAX_DEPTH) -> dict[float, AutoPlan]:
-    budgets = tuple(n for n in _grid(max_budget) if n <= max_budget)
+    budgets = tuple(n for n in budget_grid(max_budget) if n <= max_budget)
     plans = {}
     for t, (vector, path) in vectors.items():
         timings = profile.timings(greedy=t == 0)
-        from sequoia_trees.dp import TreeTable
         ns = [n for n in budgets if n <= timings.target_tokens[-1]] or [1]
         table = TreeTable(vector, max(max(ns), 2), max_depth)
         choice = choose(vector, timings, budgets=budgets, max_depth=max_depth, table=table)
@@ -125,6 +74,6 @@ def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MA
     return plans
 
 
-def _grid(max_budget: int) -> tuple[int, ...]:
-    from sequoia_trees.optimizer import DEFAULT_BUDGETS
+def budget_grid(max_budget: int) -> tuple[int, ...]:
+    """The optimizer's budget grid with `max_budget` added."""
     return tuple(sorted(set(DEFAULT_BUDGETS) | {max_budget}))

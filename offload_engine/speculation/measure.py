@@ -3,11 +3,16 @@
 on-policy: real decoding with a one-level tree of `width` children; p_i = how often the i-th
 child was the accepted one. teacher-forced: over the prompts' own text, the analytic rates at
 every position (cheaper: one target pass per text, no generation).
+
+`engine` below is an `offload_engine.Engine`, taken as it is passed in and never imported: the
+engine sits above this layer and calls `vectors_for` itself when `--tree auto` finds no stored
+vector for its pair.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -15,9 +20,17 @@ import torch
 from sequoia_trees.acceptance import AcceptanceVector, greedy_rates, teacher_forced_rates
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
 
-from .engine import Engine
-from .errors import UserError
-from .speculative import TreeSpec
+from ..errors import UserError
+from ..fsutil import DATA_DIR, atomic_write_text
+from .acceptance_store import acceptance_cache_dir, known_vectors
+from .decoder import TreeSpec
+
+DEFAULT_PROMPTS = DATA_DIR / "distill_prompts.jsonl"  # distill's prompt list, and auto's quick measurement's
+# --tree auto's quick on-policy measurement when no vector is stored for the pair
+AUTO_PROMPTS = 4
+AUTO_NEW_TOKENS = 24
+AUTO_WIDTH = 16
+AUTO_TEMPERATURES = (0.0, 0.6)
 
 
 def read_prompts(path: str | Path) -> list[dict]:
@@ -46,7 +59,7 @@ def read_prompts(path: str | Path) -> list[dict]:
     return items
 
 
-def vector_record(engine: Engine, vector: AcceptanceVector, samples: int, mode: str, width: int,
+def vector_record(engine, vector: AcceptanceVector, samples: int, mode: str, width: int,
                   params: SamplingParams, prompts: int, draft) -> dict:
     """The JSON a measured vector is stored as (the acceptance command's output, the store's input)."""
     return {"acceptance": list(vector.probs), "mode": mode, "width": width, "temperature": params.temperature,
@@ -54,7 +67,7 @@ def vector_record(engine: Engine, vector: AcceptanceVector, samples: int, mode: 
             "draft": str(draft), "target_fingerprint": engine.target_fingerprint, "draft_key": engine.draft_key}
 
 
-def on_policy(engine: Engine, prompts: list[dict], width: int, params: SamplingParams, max_new_tokens: int,
+def on_policy(engine, prompts: list[dict], width: int, params: SamplingParams, max_new_tokens: int,
               seed: int) -> tuple[AcceptanceVector, int]:
     """Decode every prompt with a one-level tree of `width` children; count the accepted rank."""
     if engine.draft is None:
@@ -76,7 +89,7 @@ def on_policy(engine: Engine, prompts: list[dict], width: int, params: SamplingP
     return AcceptanceVector(tuple((counts / steps).tolist())), steps
 
 
-def teacher_forced(engine: Engine, prompts: list[dict], width: int, params: SamplingParams,
+def teacher_forced(engine, prompts: list[dict], width: int, params: SamplingParams,
                    seed: int) -> tuple[AcceptanceVector, int]:
     """Analytic rates at every position of each prompt's own tokens, averaged."""
     if engine.draft is None:
@@ -99,3 +112,33 @@ def teacher_forced(engine: Engine, prompts: list[dict], width: int, params: Samp
                                               logits_to_probs(logits[1][t], params), width, g)
         positions += len(ids)
     return AcceptanceVector(tuple((total / positions).tolist())), positions
+
+
+def vectors_for(engine, progress: bool) -> dict:
+    """The pair's vectors by temperature: stored in the repo, cached, or measured now."""
+    return known_vectors(engine.target_fingerprint, engine.draft_key) or measure_and_cache(engine, progress)
+
+
+def measure_and_cache(engine, progress: bool) -> dict:
+    """auto's quick on-policy measurement at each of AUTO_TEMPERATURES, cached in the acceptance
+    command's format."""
+    if progress:
+        print(f"sequoia-offload: no acceptance vector is stored for this pair: measuring one on-policy "
+              f"({AUTO_PROMPTS} prompts x {AUTO_NEW_TOKENS} tokens, width {AUTO_WIDTH}, T="
+              f"{' and '.join(f'{t:g}' for t in AUTO_TEMPERATURES)}), once; cached", file=sys.stderr)
+    prompts = read_prompts(DEFAULT_PROMPTS)[:AUTO_PROMPTS]
+    root = acceptance_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for t in AUTO_TEMPERATURES:
+        vector, steps = on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0)
+        data = vector_record(engine, vector, steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
+                             len(prompts), engine.draft_key)
+        name = f"{engine.target_fingerprint}__{_safe(engine.draft_key)}__t{t:g}.json"
+        atomic_write_text(root / name, json.dumps(data, indent=2) + "\n")
+        out[t] = (vector, root / name)
+    return out
+
+
+def _safe(key: str | None) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))

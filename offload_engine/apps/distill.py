@@ -42,16 +42,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .checkpoint import Checkpoint, layer_shapes
-from .config import ModelConfig, load_config, parse_dtype, read_json_object
-from .drafts import EMBED, TOKENIZER_FILES
-from .errors import UserError
-from .fsutil import atomic_write_text, remove_stale_temps
-from .kv_cache import KVCache
-from .model import Rope, decoder_layer, rms_norm, rope_inv_freq
-from .tokenizer import Tokenizer
-
-DEFAULT_PROMPTS = Path(__file__).parent / "data" / "distill_prompts.jsonl"
+from ..errors import UserError
+from ..formats.checkpoint import Checkpoint, layer_shapes
+from ..formats.config import ModelConfig, load_config, parse_dtype, read_json_object
+from ..formats.tokenizer import Tokenizer
+from ..fsutil import atomic_write_text, remove_stale_temps
+from ..runtime.kv_cache import KVCache
+from ..runtime.model import Rope, decoder_layer, rms_norm, rope_inv_freq
+from ..speculation.drafts import EMBED, TOKENIZER_FILES
+from ..speculation.measure import DEFAULT_PROMPTS, read_prompts
 
 
 @dataclass
@@ -151,8 +150,8 @@ def load_teacher(target_dir: Path, opts: "DistillOptions", progress: bool = True
     else its layers stream, so a target larger than the device can still teach (each batch is
     one streamed pass). `reserve_bytes` of the device budget are left for training. Returns
     (model, engine); keep the engine open while the model is used."""
-    from .engine import Engine, resolve_device
-    from .placement import default_budgets, fmt_bytes, parse_size
+    from ..engine import Engine, resolve_device
+    from ..runtime.placement import default_budgets, fmt_bytes, parse_size
     vram = opts.vram
     if reserve_bytes:
         budget = parse_size(vram) if vram is not None else default_budgets(resolve_device(opts.device))[0]
@@ -375,7 +374,7 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
             progress: bool = True, stop_after_steps: int | None = None) -> Path | None:
     """Run (or resume) a distillation; returns the finished folder, or None when stopped early by
     `stop_after_steps` (tests use it to interrupt a run at a known step)."""
-    from .engine import resolve_target
+    from ..engine import resolve_target
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose another --out")
@@ -538,7 +537,6 @@ def _on_policy_text(target: _Model, tokenizer: Tokenizer, cfg: ModelConfig, opts
     data = json.loads(path.read_text()) if path.exists() else {"next_prompt": 0, "records": [], "done": False}
     if data["done"]:
         return data["records"]
-    from .measure import read_prompts  # measure imports the engine: only when answers are generated
     items = read_prompts(Path(opts.prompts) if opts.prompts else DEFAULT_PROMPTS)
     prompts = []
     for it in items:

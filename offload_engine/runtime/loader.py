@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import Checkpoint
-from .config import ModelConfig
-from .default_model import cache_root
+from ..formats.checkpoint import Checkpoint
+from ..formats.config import ModelConfig
+from ..fsutil import cache_root
 from .layer_store import LayerLayout, aligned_buffer, open_or_build
 from .model import Transformer, load_globals
 from .placement import PlacementPlan, default_budgets, make_plan, parse_size

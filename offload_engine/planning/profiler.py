@@ -36,10 +36,10 @@ from tqdm import tqdm
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams, greedy_top_k, logits_to_probs, sample_without_replacement
 
-from .errors import UserError
-from .fsutil import atomic_write_text
+from ..errors import UserError
+from ..fsutil import atomic_write_text, cache_root
+from ..runtime.placement import fmt_bytes
 from .hw_profile import MeasuredProfile, load_measured
-from .placement import fmt_bytes
 
 TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -72,7 +72,6 @@ def profile_key(engine) -> str:
 
 
 def profile_path(engine) -> Path:
-    from .default_model import cache_root
     return cache_root() / "profiles" / f"{engine.folder.name}-{profile_key(engine)}.json"
 
 
@@ -126,7 +125,7 @@ def h2d_gbps(nbytes: int, device: torch.device, pinned: bool = True, repeats: in
 def disk_read_gbps(engine, max_bytes: int = 1 << 30) -> float:
     """O_DIRECT read bandwidth of the disk-tier layers (up to `max_bytes` of them), through the
     engine's own reader into a page-aligned buffer."""
-    from .layer_store import aligned_buffer
+    from ..runtime.layer_store import aligned_buffer
     layers = engine.model.layers
     reader, plan = layers.reader, engine.plan
     buf = aligned_buffer(plan.layer_bytes)
@@ -257,7 +256,7 @@ def _step_residual(engine, ns, ts, ws, dts, g, temperature: float) -> float:
     from sequoia_trees.dp import optimal_tree
     from sequoia_trees.optimizer import Timings, evaluate
 
-    from .speculative import SpeculativeDecoder, TreeSpec
+    from ..speculation.decoder import SpeculativeDecoder, TreeSpec
     timings = Timings(tuple(ns), tuple(ts), tuple(ws), tuple(dts))
     budget = min(64, ns[-1])
     if budget < 2:

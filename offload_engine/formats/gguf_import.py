@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from .config import DTYPE_NAMES, parse_dtype
-from .errors import UserError
 from .gguf_tokenizer import KNOWN_PRE_TOKENIZERS, build_tokenizer  # noqa: F401 (re-exported)
 
 # Bump when the output of the converter changes (layout, tokenizer rules, config fields): cached

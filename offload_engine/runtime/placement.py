@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ModelConfig
-from .errors import UserError
+from ..errors import UserError
+from ..formats.config import ModelConfig
 from .layer_store import LayerLayout
 
 OFFLOAD_MODES = ("auto", "none", "ram", "disk")
@@ -100,7 +100,7 @@ class PlacementPlan:
 
 def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of a whole model held resident in `dtype` (e.g. a draft): every tensor, no padding."""
-    from .checkpoint import global_shapes, layer_shapes
+    from ..formats.checkpoint import global_shapes, layer_shapes
     elt = torch.empty((), dtype=dtype).element_size()
     count = lambda shapes: sum(math.prod(s) for s in shapes.values())  # noqa: E731
     return (count(global_shapes(cfg)) + cfg.num_layers * count(layer_shapes(cfg))) * elt

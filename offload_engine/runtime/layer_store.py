@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import Checkpoint, layer_shapes
-from .config import DTYPE_NAMES, ModelConfig
-from .errors import UserError
-from .fsutil import remove_stale_temps
+from ..errors import UserError
+from ..formats.checkpoint import Checkpoint, layer_shapes
+from ..formats.config import DTYPE_NAMES, ModelConfig
+from ..fsutil import remove_stale_temps
 
 FORMAT_VERSION = 1
 BLOCK_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length all multiples of this

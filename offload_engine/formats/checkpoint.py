@@ -7,13 +7,16 @@ disagrees with its config is refused with the tensor's name.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import ModelConfig, read_json_object
-from .errors import UserError
+from ..errors import UserError
+from .config import ModelConfig, load_config, read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -161,3 +164,41 @@ class Checkpoint:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles.clear()
+
+
+# ---- fingerprints: naming a checkpoint's weights wherever its folder sits ---------------------------
+
+_SAMPLE_BYTES = 1 << 20
+# the embeddings, and the first layer's query projection (which a LoRA merge or fine-tune changes
+# even when it leaves the embeddings alone)
+_SAMPLED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight")
+
+
+def fingerprint(folder: Path) -> str | None:
+    """16 hex digits naming a checkpoint's weights, or None when the folder cannot be read (then
+    no stored vector matches it; loading the model reports the real problem)."""
+    folder = Path(folder)
+    try:
+        h = hashlib.sha256()
+        h.update(json.dumps(json.loads((folder / "config.json").read_text(encoding="utf-8")), sort_keys=True).encode())
+        tok = folder / "tokenizer.json"
+        if tok.exists():
+            h.update(tok.read_bytes())
+        file_of = Checkpoint(folder, load_config(folder)).file_of
+        for name in _SAMPLED:
+            if name in file_of:
+                h.update(name.encode())
+                h.update(_tensor_head(file_of[name], name))
+        return h.hexdigest()[:16]
+    except (OSError, ValueError, KeyError, TypeError, struct.error, UserError):
+        return None
+
+
+def _tensor_head(path: Path, name: str) -> bytes:
+    """The first MiB of one tensor's bytes, found through the safetensors header."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        start, end = header[name]["data_offsets"]
+        f.seek(8 + header_len + start)
+        return f.read(min(_SAMPLE_BYTES, end - start))

@@ -26,8 +26,8 @@ from sequoia_trees.sampling import (SamplingParams, greedy_top_k, logits_to_prob
                                     sample_with_replacement, sample_without_replacement)
 from sequoia_trees.verify import VerifyResult, verify_greedy, verify_stochastic
 
-from .kv_cache import KVCache
-from .model import Transformer
+from ..runtime.kv_cache import KVCache
+from ..runtime.model import Transformer
 
 TREE_KINDS = ("sequoia", "specexec", "specinfer", "chain", "none")
 # Used by --tree sequoia until a measured vector is given (issue 5 stores measured ones).

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 
@@ -195,7 +195,7 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 
 def _load(args: argparse.Namespace, quiet: bool = False):
-    from .engine import Engine
+    from ..engine import Engine
     return Engine.load(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
                        offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers,
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
@@ -326,7 +326,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from .default_model import DEFAULT_MODEL_NAME
+    from ..formats.default_model import DEFAULT_MODEL_NAME
     from .server import serve
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -343,15 +343,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .config import parse_dtype
-    from .gguf_import import convert_gguf
+    from ..formats.config import parse_dtype
+    from ..formats.gguf_import import convert_gguf
     out = convert_gguf(args.gguf_file, args.out_dir, dtype=parse_dtype(args.dtype))
     print(out)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .engine import plan_only
+    from ..engine import plan_only
     plan, folder, device, dtype = plan_only(args.target, device=args.device, dtype=args.dtype,
                                             max_context=args.max_context, offload=args.offload, vram=args.vram,
                                             ram=args.ram, buffers=args.buffers, draft=args.draft,
@@ -362,7 +362,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from . import profiler
+    from ..planning import profiler
     if args.draft is None:
         raise UserError("profile needs a draft (--draft): it measures the draft's level time too")
     if args.tree == "auto":
@@ -387,9 +387,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from . import simulator
-    from .hw_profile import load_measured
-    from .placement import parse_size
+    from ..planning import simulator
+    from ..planning.hw_profile import load_measured
+    from ..runtime.placement import parse_size
     tree = None
     if args.tree:
         try:
@@ -428,7 +428,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_acceptance(args: argparse.Namespace) -> int:
     from sequoia_trees.sampling import SamplingParams
 
-    from . import measure
+    from ..speculation import measure
     if args.width < 1:
         raise UserError(f"--width must be >= 1, got {args.width}")
     prompts = measure.read_prompts(args.prompts)[: args.limit]
@@ -471,7 +471,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_default_model(args: argparse.Namespace) -> int:
-    from .default_model import default_model_dir
+    from ..formats.default_model import default_model_dir
     print(default_model_dir(progress=True))
     return 0
 

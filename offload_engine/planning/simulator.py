@@ -33,12 +33,14 @@ from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import optimal_tree
 from sequoia_trees.optimizer import Choice, Timings, choose, evaluate
 
-from .checkpoint import global_shapes, layer_shapes
-from .config import ModelConfig
-from .errors import UserError
+from ..errors import UserError
+from ..formats.checkpoint import global_shapes, layer_shapes
+from ..formats.config import ModelConfig
+from ..runtime.placement import DEVICE_MARGIN_BYTES, GIB, PlacementPlan, fmt_bytes, make_plan
+from ..runtime.quant import quantized_bytes
+from ..speculation.acceptance_store import known_vectors, nearest
+from .auto_tree import budget_grid
 from .hw_profile import PROFILES_DIR, GpuSpec, MeasuredProfile, load_gpu_spec, load_model_shape
-from .placement import DEVICE_MARGIN_BYTES, GIB, PlacementPlan, fmt_bytes, make_plan
-from .quant import quantized_bytes
 
 TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -168,8 +170,7 @@ def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int
     if tree is None:
         if tokens_per_step is not None:
             raise UserError("--tokens-per-step needs --tree N,D (a fixed tree whose tokens per step is known)")
-        from .auto_tree import _grid
-        budgets = tuple(n for n in _grid(max_budget) if n <= max_budget)
+        budgets = tuple(n for n in budget_grid(max_budget) if n <= max_budget)
         return choose(vector, timings, budgets=budgets, max_depth=max_depth)
     n, d = tree
     widest = timings.target_tokens[-1]
@@ -230,8 +231,6 @@ def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, t
     if acceptance is not None:
         vector, source = read_acceptance(acceptance)
     else:
-        from .acceptance_store import nearest
-        from .auto_tree import known_vectors
         found = known_vectors(profile.target_fingerprint, profile.draft_key)
         if not found:
             raise UserError(f"no acceptance vector is stored for the profile's pair ({Path(profile.target).name}, "
