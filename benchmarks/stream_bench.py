@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from offload_engine import Engine
     from offload_engine.formats.checkpoint import Checkpoint
-    from offload_engine.formats.default_model import cache_root
+    from offload_engine.fsutil import cache_root
     from offload_engine.runtime.layer_store import open_or_build
 
     torch.manual_seed(0)

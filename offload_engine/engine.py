@@ -225,7 +225,7 @@ class Engine:
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
         own limit, capped at 8192 tokens. offload/vram/ram/buffers place the target's layers
-        (see `offload_engine.placement`); vram and ram take bytes or sizes like "20GiB"; buffers
+        (see `offload_engine.runtime.placement`); vram and ram take bytes or sizes like "20GiB"; buffers
         defaults to 2 on CUDA and 6 on the CPU. With a `draft` (a checkpoint folder with the same
         tokenizer, "default" for the embedded pair's distilled draft, or "self-int8"/"self-int4"
         for a quantised copy of the target, int4 in groups of `draft_group_size`), kept resident,

@@ -1,8 +1,9 @@
 """The package's imports run one way and close no cycle (docs/architecture.md).
 
 Every import statement of every module is read with `ast`, including imports inside functions
-and under `if TYPE_CHECKING:` (a cycle hidden in a function is still a cycle). The layers, from
-the bottom up:
+and under `if TYPE_CHECKING:` (a cycle hidden in a function is still a cycle), and so are
+`importlib.import_module("...")` and `__import__("...")` calls with a literal name. The layers,
+from the bottom up:
 
     base         offload_engine.errors, offload_engine.fsutil   (used by every layer)
     formats      offload_engine.formats.*                      (config, checkpoints, GGUF, tokenizers)
@@ -58,7 +59,10 @@ def imports_of(path: Path, module: str, is_package: bool) -> list[tuple[str, lis
     package = module if is_package else module.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if (isinstance(node, ast.Call) and _called_name(node.func) in ("import_module", "__import__")
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.append((node.args[0].value, [], node.lineno))  # importlib.import_module("x.y"), __import__("x.y")
+        elif isinstance(node, ast.Import):
             found += [(alias.name, [], node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -69,6 +73,10 @@ def imports_of(path: Path, module: str, is_package: bool) -> list[tuple[str, lis
                 target = node.module or ""
             found.append((target, [alias.name for alias in node.names], node.lineno))
     return found
+
+
+def _called_name(func: ast.expr) -> str | None:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
 def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, list[tuple[str, int]]]:
@@ -142,7 +150,7 @@ def upward_imports(graph: dict[str, list[tuple[str, int]]], root: Path) -> list[
 
 
 def check(root: Path) -> list[str]:
-    graph = import_graph(root, (PACKAGE, "sequoia_trees", "benchmarks"))
+    graph = import_graph(root, (PACKAGE, "sequoia_trees", "benchmarks", "hw_profiles"))
     problems = upward_imports(graph, root)
     cycle = find_cycle(graph)
     if cycle:
@@ -151,7 +159,8 @@ def check(root: Path) -> list[str]:
 
 
 def test_imports_run_one_way_without_cycles():
-    assert check(ROOT) == []
+    problems = check(ROOT)
+    assert problems == [], f"layers, bottom up: {' < '.join(LAYERS)}\n" + "\n".join(problems)
 
 
 def test_every_module_is_in_a_layer():
@@ -160,7 +169,7 @@ def test_every_module_is_in_a_layer():
 
 
 def _copy_tree(tmp_path: Path) -> Path:
-    for pkg in (PACKAGE, "sequoia_trees", "benchmarks"):
+    for pkg in (PACKAGE, "sequoia_trees", "benchmarks", "hw_profiles"):
         for path in (ROOT / pkg).rglob("*.py"):
             dest = tmp_path / path.relative_to(ROOT)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +188,10 @@ def _append(path: Path, line: str) -> None:
     ("offload_engine/runtime/model.py", "from offload_engine.apps import cli", "runtime may not import apps"),
     ("offload_engine/planning/profiler.py", "import benchmarks.latency", "only the applications may import benchmarks"),
     ("sequoia_trees/dp.py", "from offload_engine import errors", "sequoia_trees must stay pure"),
+    ("sequoia_trees/tree.py", "import hw_profiles", "sequoia_trees must stay pure"),
+    # imports by name at run time
+    ("offload_engine/formats/config.py", "importlib.import_module('offload_engine.engine')", "formats may not import engine"),
+    ("offload_engine/runtime/kv_cache.py", "__import__('offload_engine.apps.server')", "runtime may not import apps"),
     # a cycle inside one layer (drafts <-> acceptance_store was a real one)
     ("offload_engine/speculation/drafts.py", "from .acceptance_store import draft_key", "import cycle: "),
 ])
