@@ -395,6 +395,7 @@ class Engine:
         prefill_s = time.perf_counter() - start
         new: list[int] = []
         steps, by_rank = 0, [0] * max(1, spec.acceptance.width if spec.kind == "sequoia" else spec.max_nodes)
+        by_length = [0] * spec.depth  # steps by the number of tree nodes they accepted (0 .. depth-1)
         pending = [token]
         while True:
             done, eos = self._emit(pending, new, stream, budget, on_token)
@@ -404,6 +405,7 @@ class Engine:
             steps += 1
             for rank in step.verify.accepted_ranks:
                 by_rank[min(rank, len(by_rank) - 1)] += 1
+            by_length[min(len(step.verify.accepted), len(by_length) - 1)] += 1
             pending = step.tokens
         finish = "stop" if eos or stream.stopped else "length"
         seconds = time.perf_counter() - start
@@ -413,7 +415,7 @@ class Engine:
                  "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
                  "finish_reason": finish, "tree": spec.kind, "tree_budget": spec.max_nodes, "tree_depth": spec.depth,
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
-                 "acceptance_by_rank": by_rank, "acceptance_source": source if spec.kind == "sequoia" else None,
+                 "acceptance_by_rank": by_rank, "accepted_lengths": by_length, "acceptance_source": source if spec.kind == "sequoia" else None,
                  "auto": None if auto is None else {
                      "temperature": auto.temperature, "budget": auto.choice.budget, "depth": auto.choice.depth,
                      "predicted_tokens_per_step": auto.choice.tokens_per_step,

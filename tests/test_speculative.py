@@ -1,14 +1,22 @@
 """Speculative decoding through the engine: exactly plain greedy at T=0 for every tree kind and
-draft, resident and streamed; the caches after commits equal a fresh prefill."""
+draft (identical, partly agreeing, wrong), resident and streamed; the caches after every step
+equal a fresh prefill of the committed tokens. The partly agreeing draft is the target with its
+matrices perturbed (PARTIAL_NOISE): its steps accept some nodes and reject others, often below a
+first child that is not the first-drawn one, which is what catches a cache that commits the wrong
+path; the tests assert that this really happens."""
 
 import pytest
 import torch
 
+import offload_engine.speculation.decoder as decoder
 from offload_engine import Engine, UserError
-from tiny_models import greedy_past_eos, make_tiny_pair
+from sequoia_trees.verify import VerifyResult, _children
+from tiny_models import greedy_past_eos, make_tiny_pair, perturbed_copy
 
 PROMPT = "The capital of France is"
 KINDS = [("sequoia", 24, 5), ("specexec", 24, 5), ("specinfer", 0, 4), ("chain", 0, 5)]
+PARTIAL_NOISE = 0.05
+PARTIAL_FLOOR = 0.25  # at least this share of steps accepts 1 to depth-2 nodes (measured: 0.31-0.7)
 
 
 @pytest.fixture(scope="module")
@@ -17,18 +25,28 @@ def pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def partial(pair, tmp_path_factory):
+    return perturbed_copy(pair[0], tmp_path_factory.mktemp("partial") / "draft", PARTIAL_NOISE, seed=3)
+
+
+def partly_accepted(lengths: list[int]) -> float:
+    """The share of steps that accepted some tree nodes but not a whole path."""
+    return sum(lengths[1:-1]) / max(1, sum(lengths))
+
+
+@pytest.fixture(scope="module")
 def plain(pair):
     return greedy_past_eos(pair[0], PROMPT, 40)[0].token_ids
 
 
-@pytest.mark.parametrize("draft_kind", ["identical", "wrong"])
+@pytest.mark.parametrize("draft_kind", ["identical", "partial", "wrong"])
 @pytest.mark.parametrize("kind,budget,depth", KINDS)
 @pytest.mark.parametrize("offload", ["none", "disk"])
-def test_greedy_speculation_equals_plain_greedy(pair, plain, tmp_path, monkeypatch, draft_kind, kind, budget,
+def test_greedy_speculation_equals_plain_greedy(pair, partial, plain, tmp_path, monkeypatch, draft_kind, kind, budget,
                                                 depth, offload):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     target, wrong = pair
-    draft = target if draft_kind == "identical" else wrong
+    draft = {"identical": target, "partial": partial, "wrong": wrong}[draft_kind]
     result, _ = greedy_past_eos(target, PROMPT, 40, draft=draft, tree=kind, tree_budget=budget or 1,
                                 tree_depth=depth, specinfer_width=3, offload=offload)
     assert result.token_ids == plain
@@ -39,34 +57,62 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, tmp_path, monkeypat
         assert s["tokens_per_step"] >= depth - 1
     elif draft_kind == "identical":  # best-first may spend nodes on likely siblings before depth
         assert s["tokens_per_step"] > 2.0
+    elif draft_kind == "partial":  # neither all nor nothing: a fixture that drifts fails here
+        assert partly_accepted(s["accepted_lengths"]) >= PARTIAL_FLOOR, s["accepted_lengths"]
     else:
         assert s["tokens_per_step"] < 2.0
 
 
-def test_kv_caches_after_commits_equal_a_fresh_prefill(pair):
-    """After speculative steps, both caches hold exactly the K/V a fresh prefill of the committed
-    sequence gives (the accepted path gathered into place, nothing else)."""
+def _first_child_of_each_level(parents, tokens, target_logits):
+    """A greedy verifier broken on purpose: it accepts the first child at every level, whatever
+    the target says."""
+    kids, node, accepted = _children(parents), 0, []
+    while kids.get(node):
+        node = kids[node][0]
+        accepted.append(node)
+    return VerifyResult(tuple(accepted), int(target_logits[node].argmax()), (0,) * len(accepted))
+
+
+def test_a_broken_greedy_verifier_fails_the_equality_test(pair, partial, plain, monkeypatch):
+    """Negative control for the test above: with the verifier broken, the tokens differ."""
+    monkeypatch.setattr(decoder, "verify_greedy", _first_child_of_each_level)
+    result, _ = greedy_past_eos(pair[0], PROMPT, 40, draft=partial, tree="sequoia", tree_budget=24, tree_depth=5)
+    assert result.token_ids != plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("kind,budget,depth", KINDS)
+def test_kv_caches_after_every_step_equal_a_fresh_prefill(pair, partial, kind, budget, depth, temperature):
+    """After each speculative step, both caches hold exactly the K/V a fresh prefill of the
+    committed sequence gives (the accepted path gathered into place, nothing else), with a draft
+    whose steps accept part of the tree, below children that are not the first-drawn ones."""
     from offload_engine.speculation.decoder import SpeculativeDecoder
     from sequoia_trees.sampling import SamplingParams
-    target_dir, draft_dir = pair
-    engine = Engine.load(target_dir, draft=draft_dir, tree="sequoia", tree_budget=16, tree_depth=4, progress=False)
+    target_dir, _ = pair
+    engine = Engine.load(target_dir, draft=partial, tree=kind, tree_budget=budget or 1, tree_depth=depth,
+                         specinfer_width=3, progress=False)
     ids = engine.tokenizer.encode(PROMPT)
-    dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(0.8), torch.Generator().manual_seed(0),
-                             256)
+    dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(temperature),
+                             torch.Generator().manual_seed(0), 256)
     root = dec.first_token(dec.prefill(ids, 1024))
-    seq = list(ids)
-    for _ in range(5):
+    seq, lengths, off_first = list(ids), [0] * depth, 0
+    for _ in range(16):
         step = dec.step(root)
         seq.append(root)
         seq += step.tokens[:-1]
         root = step.tokens[-1]
-    for model, cache in ((engine.model, dec.target_cache), (engine.draft, dec.draft_cache)):
-        assert cache.length == len(seq)
-        fresh = model.new_cache(len(seq))
-        model.forward(torch.tensor(seq), torch.arange(len(seq)), fresh)
-        torch.testing.assert_close(cache.k[:, :, :, : len(seq)], fresh.k[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(cache.v[:, :, :, : len(seq)], fresh.v[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
+        lengths[len(step.verify.accepted)] += 1
+        off_first += any(rank > 0 for rank in step.verify.accepted_ranks)
+        for model, cache in ((engine.model, dec.target_cache), (engine.draft, dec.draft_cache)):
+            assert cache.length == len(seq)
+            fresh = model.new_cache(len(seq))
+            model.forward(torch.tensor(seq), torch.arange(len(seq)), fresh)
+            torch.testing.assert_close(cache.k[:, :, :, : len(seq)], fresh.k[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(cache.v[:, :, :, : len(seq)], fresh.v[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
     engine.close()
+    assert partly_accepted(lengths) >= PARTIAL_FLOOR, lengths
+    if kind != "chain":  # a chain has one child per node
+        assert off_first >= 1, "no step accepted a child that was not drawn first"
 
 
 def test_a_draft_with_another_vocabulary_is_refused(pair, tmp_path):

@@ -1,80 +1,204 @@
-"""Distribution exactness of the real speculative loop (draft model growing the tree with its KV
-cache and masks, target verifying in one pass, caches committed): tiny random Llama models with
-an 8-token vocabulary, the first two tokens emitted after a fixed state against the target's
-exact joint distribution. Threshold: chi-square p-value below 1e-4 fails (a correct sampler
-fails 1 run in 10,000)."""
+"""Distribution exactness of the real speculative loop, for every stochastic tree kind: the draft
+model grows the tree with its KV cache and masks, the target verifies it in one pass, the caches
+commit, exactly as `Engine.generate` runs a step (`SpeculativeDecoder`, with the verifier flags the
+decoder itself chooses per kind). The first two tokens emitted after a fixed state are compared
+with the target's exact joint distribution, computed from its own probabilities.
+
+The fixture is not degenerate: tiny random Llama models over an 8-token vocabulary whose
+next-token distributions spread over every token (the largest probability at the test state is
+0.23), and a draft that is the target with its matrices perturbed, so that it partly agrees (the
+overlap sum(min(p, q)) at the root is 0.75): most steps accept some nodes of the tree and reject
+others (the test asserts it, so that a fixture drifting into all-or-nothing fails loudly).
+
+Two chi-square tests run on each sample (cells with expected count under 5 pooled): the first
+token's marginal (7 degrees of freedom: a bias at the root shows there with most power) and the
+2-token joint (about 60: a bias at an inner node shows only there). Each must give p > ALPHA / 2 =
+5e-5, so a correct sampler fails about one run in 10,000.
+
+Negative controls: each kind is also run with a verifier broken the way real bugs break it, and
+the same test must reject it, or the suite fails:
+  * specinfer: its with-replacement draws verified as if drawn without replacement;
+  * specexec: the draws left out of the best-first tree dropped from verification;
+  * sequoia and chain: every node verified against the root's draft distribution.
+Power, written down: a bias of Cohen's effect size w = sqrt(sum (p_bad - p)^2 / p) gives the
+chi-square statistic a noncentrality lambda = N w^2. Each control's w was measured on this fixture
+with 4,000 samples (CONTROL_BIAS), and each kind's sample size N (SAMPLES) is chosen so that the
+test rejects its control with probability at least 0.99; `test_sample_sizes_give_the_power_written_down`
+recomputes that from the noncentral chi-square, and the controls themselves must be rejected."""
+
+from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from scipy import stats
 
+import offload_engine.speculation.decoder as decoder
 from offload_engine.formats.checkpoint import Checkpoint
 from offload_engine.formats.config import load_config
 from offload_engine.runtime.model import Transformer
 from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
+from sequoia_trees.verify import verify_stochastic
 
 V = 8
-SAMPLES = 6000
-PARAMS = SamplingParams(0.8, 0.9)
+ALPHA = 1e-4  # the two tests share it: each must give p > ALPHA / 2
+PARAMS = SamplingParams(1.0, 1.0)
+PROMPT, ROOT = [1, 5, 2], 3
+SHAPE = AcceptanceVector((0.5, 0.2, 0.1))
+SPECS = {
+    "sequoia": TreeSpec("sequoia", 8, 4, acceptance=SHAPE),
+    "specexec": TreeSpec("specexec", 8, 4, acceptance=AcceptanceVector((0.4, 0.2, 0.1, 0.05, 0.03, 0.02))),
+    "specinfer": TreeSpec("specinfer", 0, 4, specinfer_width=3),
+    "chain": TreeSpec("chain", 0, 4),
+}
 
 
-def tiny(path, seed, layers, hidden):
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden,
-                                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                                      max_position_embeddings=64, initializer_range=0.5)
+def _specinfer_as_without_replacement(*args, **kw):
+    return verify_stochastic(*args, **{**kw, "without_replacement": True})
+
+
+def _extra_draws_dropped(*args, **kw):
+    return verify_stochastic(*args, **{**kw, "extra_draws": None})
+
+
+def _root_draft_distribution_everywhere(parents, tokens, target_probs, draft_probs, *args, **kw):
+    return verify_stochastic(parents, tokens, target_probs, draft_probs[:1].expand_as(draft_probs), *args, **kw)
+
+
+CONTROLS = {
+    "specinfer": _specinfer_as_without_replacement,
+    "specexec": _extra_draws_dropped,
+    "sequoia": _root_draft_distribution_everywhere,
+    "chain": _root_draft_distribution_everywhere,
+}
+# kind: (the statistic the control's bias shows in, its effect size w measured with 4,000 samples)
+CONTROL_BIAS = {"specinfer": ("first", 0.16), "specexec": ("joint", 0.21), "sequoia": ("joint", 0.277),
+                "chain": ("joint", 0.19)}
+SAMPLES = {"specinfer": 2500, "specexec": 2500, "sequoia": 1500, "chain": 3000}
+MIN_POWER = 0.99
+
+
+def tiny(path, seed):
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                      initializer_range=0.12)
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def perturbed_copy(src, dst, noise, seed, sharpen=1.0):
+    """The model at `src` with every matrix w replaced by w + noise * std(w) * N(0, 1), and its
+    head scaled by `sharpen` (a sharper draft draws the same token twice more often)."""
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
+               for k, v in tensors.items()}
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * sharpen
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def load(path):
     return Transformer.from_checkpoint(Checkpoint(path, load_config(path)), torch.float32)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    return tiny(root / "target", 1, 2, 32), tiny(root / "draft", 2, 1, 16)
+    target = tiny(root / "target", 1)
+    return load(target), load(perturbed_copy(target, root / "draft", 0.6, 5, sharpen=2.0))
+
+
+def probs_after(model, ids):
+    logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids)))[-1]
+    return logits_to_probs(logits, PARAMS).double()
 
 
 def exact_joint(target, ids):
     """P(x1, x2 | ids) for the target, by enumeration."""
-    out = np.zeros(V * V)
-    p1 = logits_to_probs(target.forward(torch.tensor(ids), torch.arange(len(ids)), target.new_cache(len(ids)))[-1],
-                         PARAMS).double().numpy()
-    for a in range(V):
-        seq = ids + [a]
-        p2 = logits_to_probs(target.forward(torch.tensor(seq), torch.arange(len(seq)), target.new_cache(len(seq)))[-1],
-                             PARAMS).double().numpy()
-        out[a * V:(a + 1) * V] = p1[a] * p2
-    return out
+    p1 = probs_after(target, ids).numpy()
+    return np.concatenate([p1[a] * probs_after(target, ids + [a]).numpy() for a in range(V)])
 
 
-@pytest.mark.parametrize("spec", [TreeSpec("sequoia", 7, 3, acceptance=AcceptanceVector((0.4, 0.2, 0.1))),
-                                  TreeSpec("specexec", 7, 4, acceptance=AcceptanceVector((0.4, 0.2, 0.1)))],
-                         ids=["sequoia", "specexec"])
-def test_first_two_tokens_after_a_state_have_the_target_distribution(models, spec):
-    target, draft = models
-    prompt, root = [1, 5, 2], 3
-    g = torch.Generator().manual_seed(17)
-    dec = SpeculativeDecoder(target, draft, spec, PARAMS, g, 64)
-    dec.prefill(prompt, 64)
+def sample_two_tokens(target, draft, spec, n, seed):
+    """n draws of the first two tokens after PROMPT + [ROOT], each from the same state; and how
+    many nodes each first step accepted."""
+    torch.set_num_threads(1)  # tiny models: threads only add overhead
+    dec = SpeculativeDecoder(target, draft, spec, PARAMS, torch.Generator().manual_seed(seed), 64)
+    dec.prefill(PROMPT, 64)
     base_t, base_d = dec.target_cache.length, dec.draft_cache.length
-    samples = []
-    for _ in range(SAMPLES):
-        out, r = [], root
+    samples, accepted = [], []
+    for _ in range(n):
+        out, r = [], ROOT
         while len(out) < 2:
             step = dec.step(r)
+            if not out:
+                accepted.append(len(step.tokens) - 1)
             out += step.tokens
             r = step.tokens[-1]
         samples.append(out[0] * V + out[1])
         dec.target_cache.truncate(base_t)  # back to the same state for the next sample
         dec.draft_cache.truncate(base_d)
-    exact = exact_joint(target, prompt + [root])
-    counts = np.bincount(samples, minlength=V * V).astype(float)
-    assert counts[exact == 0].sum() == 0
-    big = exact * SAMPLES >= 5
+    return np.bincount(samples, minlength=V * V).astype(float), np.array(accepted)
+
+
+def chi_square_p(counts, exact):
+    """p-value of counts against exact, cells with expected count under 5 pooled into one."""
+    n = counts.sum()
+    if counts[exact == 0].sum():
+        return 0.0  # something the target cannot produce
+    big = exact * n >= 5
     obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(exact[big], exact[~big].sum()) * SAMPLES
+    exp = np.append(exact[big], exact[~big].sum()) * n
     keep = exp > 0
-    assert stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue > 1e-4
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+def p_values(counts, exact) -> dict[str, float]:
+    """The first token's marginal and the 2-token joint, each against the exact distribution."""
+    return {"first": chi_square_p(counts.reshape(V, V).sum(1), exact.reshape(V, V).sum(1)),
+            "joint": chi_square_p(counts, exact)}
+
+
+def test_the_fixture_spreads_and_partly_agrees(models):
+    target, draft = models
+    p, q = probs_after(target, PROMPT + [ROOT]), probs_after(draft, PROMPT + [ROOT])
+    assert p.max() < 0.3 and (p > 0.02).sum() >= 6  # spread over the vocabulary
+    assert 0.5 < float(torch.minimum(p, q).sum()) < 0.9  # partial agreement at the root
+
+
+def test_sample_sizes_give_the_power_written_down():
+    for kind, (statistic, w) in CONTROL_BIAS.items():
+        df = V - 1 if statistic == "first" else 60  # about 60 joint cells keep an expected count >= 5
+        critical = stats.chi2.ppf(1 - ALPHA / 2, df)
+        power = stats.ncx2.sf(critical, df, SAMPLES[kind] * w * w)
+        assert power >= MIN_POWER, f"{kind}: power {power:.3f} with {SAMPLES[kind]} samples"
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_first_two_tokens_after_a_state_have_the_target_distribution(models, kind):
+    target, draft = models
+    counts, accepted = sample_two_tokens(target, draft, SPECS[kind], SAMPLES[kind], seed=17)
+    depth = SPECS[kind].depth
+    partial = ((accepted >= 1) & (accepted <= depth - 2)).mean()
+    assert partial >= 1 / 3, f"{kind}: only {partial:.2f} of steps accepted part of a path"
+    p = p_values(counts, exact_joint(target, PROMPT + [ROOT]))
+    assert min(p.values()) > ALPHA / 2, p
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_a_broken_verifier_fails_the_same_test(models, kind, monkeypatch):
+    """Negative control: the decoder with its verifier broken as CONTROLS says must be rejected."""
+    target, draft = models
+    monkeypatch.setattr(decoder, "verify_stochastic", CONTROLS[kind])
+    counts, _ = sample_two_tokens(target, draft, SPECS[kind], SAMPLES[kind], seed=17)
+    p = p_values(counts, exact_joint(target, PROMPT + [ROOT]))
+    assert min(p.values()) < ALPHA / 2, p

@@ -87,6 +87,23 @@ def make_tiny_pair(root: str | Path) -> tuple[Path, Path]:
     return target, draft
 
 
+def perturbed_copy(src: str | Path, dst: str | Path, noise: float, seed: int = 0) -> Path:
+    """A copy of the checkpoint at `src` with every matrix w replaced by w + noise * std(w) * N(0, 1):
+    a draft that agrees with its target often but not always (some tree nodes accepted, others not)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for path in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        tensors = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
+                   for k, v in tensors.items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return dst
+
+
 def greedy_past_eos(folder, prompt: str, max_new_tokens: int, **load_kw):
     """Greedy decoding that does not stop at end-of-sequence tokens, so that two runs compare
     token for token over a fixed length, on an engine loaded with `load_kw` and closed after.
