@@ -95,7 +95,12 @@ def test_streamed_logits_bitwise_equal_resident(ckpt, reference, tmp_path, offlo
             assert torch.equal(a, b)
         stats = model.layers.snapshot()
         assert stats.target_passes == len(expected)
+        # measured, not planned: every streamed block came in once per pass, and the disk-tier
+        # ones were read from disk (the loader is already filling buffers for a next pass)
         assert stats.bytes_streamed == len(expected) * plan.bytes_per_pass
+        block = LayerLayout.for_config(ckpt.config, torch.float32).block_bytes
+        assert stats.bytes_read == len(expected) * len(plan.disk_layers) * block
+        assert 0 <= stats.prefetched_bytes <= plan.buffers * block
         if plan.streamed_layers:
             assert stats.copy_seconds > 0
     finally:
@@ -116,6 +121,27 @@ def test_abandoned_pass_keeps_the_loader_in_step(ckpt, reference, tmp_path):
             assert torch.equal(a, b)
     finally:
         model.layers.close()
+
+
+def test_measured_bytes_see_a_reader_that_skips_a_block(ckpt, tmp_path):
+    """The byte counts come from the reads themselves: a reader that skips one block (returns
+    without reading it) shows as fewer bytes than the plan, not as the plan's constant."""
+    plan = plan_for(ckpt, "disk", 2)
+    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
+                        OffloadOptions("disk", store_root=tmp_path), progress=False)
+    executor = model.layers
+    real_read, skipped = executor.reader.read, plan.disk_layers[1]
+    executor._stop_loader()
+    executor.reader.read = lambda layer, out: 0 if layer == skipped else real_read(layer, out)
+    executor._start_loader()
+    try:
+        model.forward(torch.tensor([1, 2]), torch.arange(2), model.new_cache(8))
+        stats = executor.snapshot()
+        block = LayerLayout.for_config(ckpt.config, torch.float32).block_bytes
+        assert stats.target_passes == 1
+        assert stats.bytes_read == stats.bytes_streamed == plan.bytes_per_pass - block
+    finally:
+        executor.close()
 
 
 def test_overlapping_passes_are_refused_not_deadlocked(ckpt, tmp_path):

@@ -117,8 +117,9 @@ class BlockReader:
             self.direct = False
             self.fd = os.open(path, os.O_RDONLY)
 
-    def read(self, layer: int, out: torch.Tensor) -> None:
-        """Fill `out` (uint8 [block_bytes], page-aligned when direct) with block `layer`."""
+    def read(self, layer: int, out: torch.Tensor) -> int:
+        """Fill `out` (uint8 [block_bytes], page-aligned when direct) with block `layer`; returns
+        the bytes the reads returned (what the executor counts as read from disk)."""
         view = memoryview(out.numpy())
         offset, done = layer * self.block_bytes, 0
         while done < self.block_bytes:
@@ -128,6 +129,7 @@ class BlockReader:
             done += n
         if not self.direct:
             os.posix_fadvise(self.fd, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
+        return done
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -14,6 +14,12 @@ the memcpy (RAM tier) or the O_DIRECT read straight into the buffer (disk tier).
 
 Two semaphores per buffer order the CPU sides: `free` (the compute side is done issuing work on
 the buffer, so its free event is recorded) and `ready` (the loader has issued or done the fill).
+
+Bytes are counted as they move, not taken from the plan: each fill records what the reader's
+reads returned (disk) and what was copied into the buffer (a pinned or RAM block to the device
+buffer), and the compute side adds a fill's counts to the stats when it takes that buffer. Fills
+the loader made ahead for the next pass are reported apart (`prefetched_bytes`, a level, not a
+sum), and fills thrown away when a pass is abandoned are never counted.
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 @dataclass
 class StreamStats:
     target_passes: int = 0
-    bytes_streamed: int = 0
+    bytes_streamed: int = 0  # measured: bytes copied into the device buffers that passes consumed
+    bytes_read: int = 0  # measured: bytes read from disk (O_DIRECT) for the layers passes consumed
     copy_seconds: float = 0.0  # time spent moving layer bytes (disk reads + copies)
     compute_seconds: float = 0.0  # time the compute side spent in layers
     stall_seconds: float = 0.0  # time the compute side waited for a layer's bytes
     pass_seconds: float = 0.0
+
+    prefetched_bytes: int = 0  # filled ahead for the next pass, not yet consumed (when read)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -50,7 +59,10 @@ class StreamStats:
         return d
 
     def minus(self, other: "StreamStats") -> "StreamStats":
-        return StreamStats(**{k: getattr(self, k) - getattr(other, k) for k in self.__dict__})
+        """Counts between two snapshots (prefetched_bytes is a level: the later one's)."""
+        d = {k: getattr(self, k) - getattr(other, k) for k in self.__dict__}
+        d["prefetched_bytes"] = self.prefetched_bytes
+        return StreamStats(**d)
 
 
 class _Clock:
@@ -120,6 +132,8 @@ class LayerExecutor:
         self._consumed = 0
         self.free = [threading.Semaphore(1) for _ in range(k)]
         self.ready = [threading.Semaphore(0) for _ in range(k)]
+        self.filled = [(0, 0)] * k  # per buffer: (bytes read from disk, bytes copied in) by its last fill
+        self._filled_ahead = 0  # bytes of fills done and not yet consumed
         if self.order:
             self._thread = threading.Thread(target=self._loader, args=(self._stop,), name="layer-loader",
                                             daemon=True)
@@ -161,6 +175,11 @@ class LayerExecutor:
                     b = self._consumed % len(self.buffers)
                     self._acquire(self.ready[b])
                     held = b
+                    with self._lock:  # the bytes this buffer's fill moved, counted as consumed
+                        read, copied = self.filled[b]
+                        self.stats.bytes_read += read
+                        self.stats.bytes_streamed += copied
+                        self._filled_ahead -= copied
                     if self.cuda:
                         stream.wait_event(self.ready_events[held])
                     w = self.views[held]
@@ -188,7 +207,6 @@ class LayerExecutor:
         self._pending.append(("pass_seconds", pass_start, last_end))
         with self._lock:
             self.stats.target_passes += 1
-            self.stats.bytes_streamed += self.plan.bytes_per_pass
 
     def _release(self, b: int, stream) -> None:
         """The compute side is done issuing work on buffer b: hand it back to the loader."""
@@ -210,7 +228,7 @@ class LayerExecutor:
         """Stats so far (waits for pending CUDA timings: call between passes, never inside one)."""
         self._collect(wait=True)
         with self._lock:
-            return StreamStats(**self.stats.__dict__)
+            return StreamStats(**{**self.stats.__dict__, "prefetched_bytes": self._filled_ahead})
 
     def _collect(self, wait: bool) -> None:
         """Fold timings into the stats: all of them (wait=True), or only those already complete,
@@ -234,11 +252,14 @@ class LayerExecutor:
             while not stop.is_set():
                 layer = self.order[n % len(self.order)]
                 b = n % len(self.buffers)
-                source = self._stage(layer, n)
+                source, read = self._stage(layer, n)
                 while not self.free[b].acquire(timeout=_POLL_S):
                     if stop.is_set():
                         return
-                self._fill(layer, b, source, n)
+                read, copied = self._fill(layer, b, source, n, read)
+                with self._lock:
+                    self.filled[b] = (read, copied)
+                    self._filled_ahead += copied
                 self.ready[b].release()
                 n += 1
         except BaseException as e:  # surfaced on the compute side by _acquire
@@ -246,19 +267,21 @@ class LayerExecutor:
             for sem in self.ready:
                 sem.release()
 
-    def _stage(self, layer: int, n: int) -> torch.Tensor | None:
-        """CUDA + disk tier: read the block into a pinned staging buffer before a device buffer frees."""
+    def _stage(self, layer: int, n: int) -> tuple[torch.Tensor | None, int]:
+        """CUDA + disk tier: read the block into a pinned staging buffer before a device buffer
+        frees; returns it and the bytes read."""
         if not (self.cuda and layer in self.plan.disk_layers):
-            return None
+            return None, 0
         s = n % len(self.staging)
         self.staged_events[s].synchronize()  # the copy that last read this staging buffer is done
         t0 = time.perf_counter()
-        self.reader.read(layer, self.staging[s])
+        read = self.reader.read(layer, self.staging[s])
         with self._lock:
             self.stats.copy_seconds += time.perf_counter() - t0
-        return self.staging[s]
+        return self.staging[s], read
 
-    def _fill(self, layer: int, b: int, staged: torch.Tensor | None, n: int) -> None:
+    def _fill(self, layer: int, b: int, staged: torch.Tensor | None, n: int, read: int) -> tuple[int, int]:
+        """Fill device buffer b with `layer`; returns (bytes read from disk, bytes copied in)."""
         dest = self.buffers[b]
         if self.cuda:
             src = staged if staged is not None else self.ram_blocks[layer]
@@ -272,14 +295,17 @@ class LayerExecutor:
                 self.staged_events[n % len(self.staging)].record(self.copy_stream)
             with self._lock:
                 self._pending.append(("copy_seconds", start, end))
-            return
+            return read, src.numel() * src.element_size()
         t0 = time.perf_counter()
         if layer in self.ram_blocks:
-            dest.copy_(self.ram_blocks[layer])
-        else:
-            self.reader.read(layer, dest)
+            src = self.ram_blocks[layer]
+            dest.copy_(src)
+            copied = src.numel() * src.element_size()
+        else:  # the O_DIRECT read lands in the buffer itself: what was read is what came in
+            read = copied = self.reader.read(layer, dest)
         with self._lock:
             self.stats.copy_seconds += time.perf_counter() - t0
+        return read, copied
 
     def close(self) -> None:
         """Stop the loader, let in-flight copies land, release the reader and unpin host memory."""
