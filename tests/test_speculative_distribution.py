@@ -41,7 +41,7 @@ import offload_engine.speculation.decoder as decoder
 from offload_engine.formats.checkpoint import Checkpoint
 from offload_engine.formats.config import load_config
 from offload_engine.runtime.model import Transformer
-from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
+from offload_engine.speculation.decoder import TREE_KINDS, SpeculativeDecoder, TreeSpec
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
 from sequoia_trees.verify import verify_stochastic
@@ -166,6 +166,11 @@ def p_values(counts, exact) -> dict[str, float]:
     """The first token's marginal and the 2-token joint, each against the exact distribution."""
     return {"first": chi_square_p(counts.reshape(V, V).sum(1), exact.reshape(V, V).sum(1)),
             "joint": chi_square_p(counts, exact)}
+
+
+def test_every_stochastic_tree_kind_is_tested_and_has_a_control():
+    """A tree kind added to the decoder fails here until it has a distribution test and a control."""
+    assert set(SPECS) == set(CONTROLS) == set(CONTROL_BIAS) == set(SAMPLES) == set(TREE_KINDS) - {"none"}
 
 
 def test_the_fixture_spreads_and_partly_agrees(models):
