@@ -415,7 +415,8 @@ class Engine:
                  "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
                  "finish_reason": finish, "tree": spec.kind, "tree_budget": spec.max_nodes, "tree_depth": spec.depth,
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
-                 "acceptance_by_rank": by_rank, "accepted_lengths": by_length, "acceptance_source": source if spec.kind == "sequoia" else None,
+                 "acceptance_by_rank": by_rank, "accepted_lengths": by_length,
+                 "acceptance_source": source if spec.kind == "sequoia" else None,
                  "auto": None if auto is None else {
                      "temperature": auto.temperature, "budget": auto.choice.budget, "depth": auto.choice.depth,
                      "predicted_tokens_per_step": auto.choice.tokens_per_step,

@@ -34,13 +34,14 @@ def _fill(p: np.ndarray, n: int, d: int):
         # shifted[m, y] = G[m - y, l-1] = sub[n + m - y]: row m is a reversed window of sub, copied
         # so that every pass below (and the argmax over y) runs along contiguous memory
         shifted = np.ascontiguousarray(sliding_window_view(sub[::-1], n + 1)[::-1])
-        missing = np.isneginf(shifted)
+        # p_b * shifted when p_b = 0: 0 where the subtree exists, -inf where it does not (a plain
+        # product would give NaN there; measured vectors often end in zeros)
+        zero_term = np.where(np.isneginf(shifted), NEG, 0.0)
         for b in range(1, w + 1):
             if p[b - 1] > 0:
                 np.multiply(shifted, p[b - 1], out=cand)
-            else:  # p_b * shifted when p_b = 0: 0 where the subtree exists, -inf where it does not
-                cand.fill(0.0)  # (a plain product would give NaN there; measured vectors often end in zeros)
-                cand[missing] = NEG
+            else:
+                np.copyto(cand, zero_term)
             cand += T[None, :]
             y = cand.argmax(axis=1)
             T = cand[rows, y]

@@ -28,13 +28,10 @@ recomputes that from the noncentral chi-square, and the controls themselves must
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 from scipy import stats
 
 import offload_engine.speculation.decoder as decoder
@@ -45,6 +42,7 @@ from offload_engine.speculation.decoder import TREE_KINDS, SpeculativeDecoder, T
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
 from sequoia_trees.verify import verify_stochastic
+from tiny_models import perturbed_copy
 
 V = 8
 ALPHA = 1e-4  # the two tests share it: each must give p > ALPHA / 2
@@ -91,19 +89,6 @@ def tiny(path, seed):
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
-
-
-def perturbed_copy(src, dst, noise, seed, sharpen=1.0):
-    """The model at `src` with every matrix w replaced by w + noise * std(w) * N(0, 1), and its
-    head scaled by `sharpen` (a sharper draft draws the same token twice more often)."""
-    shutil.copytree(src, dst)
-    g = torch.Generator().manual_seed(seed)
-    tensors = load_file(str(dst / "model.safetensors"))
-    tensors = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
-               for k, v in tensors.items()}
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * sharpen
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 def load(path):
