@@ -56,26 +56,26 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Up to k distinct token ids drawn from probs [V] without replacement, in sampling order.
-
-    Gumbel top-k: the k largest log(p) + Gumbel noise are distributed as k successive draws,
-    each from the renormalised remainder. Tokens of probability 0 are never drawn, so fewer than
-    k ids come back when the support is smaller than k.
-    """
-    support = int((probs > 0).sum())
-    k = min(k, support)
+def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draws without replacement from every row of probs [..., V] at once, on probs' device
+    (Gumbel top-k: the k largest log(p) + Gumbel noise are distributed as k successive draws, each
+    from the renormalised remainder). Returns (ids [..., k], keys [..., k]) in sampling order; a key
+    is -inf where the row's support ran out (that id was not drawn)."""
     u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float64)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     keys = torch.log(probs.double()) + gumbel  # -inf where p == 0
-    return torch.topk(keys, k).indices
+    top = torch.topk(keys, min(k, probs.shape[-1]))
+    return top.indices, top.values
+
+
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Up to k distinct token ids drawn from probs [V] without replacement, in sampling order
+    (`gumbel_top_k`). Tokens of probability 0 are never drawn, so fewer than k ids come back when
+    the support is smaller than k."""
+    ids, keys = gumbel_top_k(probs, k, generator)
+    return ids[torch.isfinite(keys)]
 
 
 def sample_with_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """k independent draws from probs [V] (SpecInfer's children; duplicates possible)."""
     return torch.multinomial(probs, k, replacement=True, generator=generator)
-
-
-def greedy_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The k most likely token ids, most likely first (children at temperature 0)."""
-    return torch.topk(logits, min(k, logits.shape[-1])).indices

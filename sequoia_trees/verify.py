@@ -46,7 +46,8 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
                       generator: torch.Generator | None = None, without_replacement: bool = True,
                       extra_draws: dict[int, list[int]] | None = None) -> VerifyResult:
     """parents[i]: node i's parent (root = node 0, -1); tokens[i]: node i's token; target_probs and
-    draft_probs [n, V]: P and Q at each node (Q is what the node's children were drawn from).
+    draft_probs [n, V]: P and Q at each node (Q is what the node's children were drawn from; rows
+    are read only for nodes with candidates, so Q may stop before the last level).
     extra_draws[i]: tokens drawn at node i after its children in the tree, in draw order (a
     best-first tree keeps a prefix of each node's draws whose length depends on the tokens drawn;
     testing the rest the same way keeps the rule exact, and an accepted one is the bonus token).
@@ -55,10 +56,10 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
     node, accepted, ranks = 0, [], []
     while True:
         residual = target_probs[node].double()
-        q = draft_probs[node].double().clone()
         step = None
-        candidates = [(int(tokens[c]), c) for c in kids.get(node, [])]
+        candidates = [(int(tokens[c]), c) for c in kids.get(node, []) if int(tokens[c]) >= 0]  # -1: never drawn
         candidates += [(t, None) for t in (extra_draws or {}).get(node, [])]
+        q = draft_probs[node].double().clone() if candidates else None  # (a leaf may have no row)
         for rank, (t, child) in enumerate(candidates):
             u = torch.rand((), generator=generator, dtype=torch.float64, device=residual.device)
             if u * q[t] < residual[t]:  # accept with probability min(1, R[t] / Q[t])
@@ -81,16 +82,103 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
         ranks.append(step[1])
 
 
+def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                            generator: torch.Generator | None = None, without_replacement: bool = True,
+                            extra_draws: dict[int, list[int]] | None = None) -> VerifyResult:
+    """`verify_stochastic`'s rule, with its arithmetic done for every node at once on the device
+    that holds the probabilities, so that only small tables cross to the host.
+
+    The candidates of a node (its children in rank order, then its extra draws) and the residual
+    updates between them do not depend on the random tests, only on which candidates were
+    rejected before; so for every node with candidates, and every rank r, the probability
+    min(1, R_r[t_r] / Q_r[t_r]) of accepting candidate r after the first r were rejected, and the
+    residual after all of them are, are computed ahead, vectorized over nodes (one loop over ranks).
+    The walk from the root then tests candidates with uniforms from `generator` on the host, as
+    `verify_stochastic` does, and draws the bonus from the one residual (or target) row it ends at.
+    Host traffic: the acceptance table [nodes, ranks] and the candidate tokens once, one row at
+    the end. tokens may hold -1 for a child that was never drawn (its parent's draft ran out of
+    support): it is never accepted and changes nothing, as if absent."""
+    kids = _children(parents)
+    extra = extra_draws or {}
+    nodes = sorted(set(kids) | {n for n, t in extra.items() if t})
+    if not nodes:
+        return VerifyResult((), sample(target_probs[0].float().cpu(), generator), ())
+    dev = target_probs.device
+    width = max(len(kids.get(n, [])) + len(extra.get(n, [])) for n in nodes)
+    child_ix = torch.full((len(nodes), width), -1, dtype=torch.long)  # tree node of each candidate
+    extra_tok = torch.full((len(nodes), width), -1, dtype=torch.long)  # token of an extra draw
+    for row, n in enumerate(nodes):
+        ch, ex = kids.get(n, []), extra.get(n, [])
+        child_ix[row, :len(ch)] = torch.tensor(ch, dtype=torch.long)
+        extra_tok[row, len(ch):len(ch) + len(ex)] = torch.tensor(ex, dtype=torch.long)
+    child_ix, extra_tok = child_ix.to(dev), extra_tok.to(dev)
+    tokens = torch.as_tensor(tokens).to(dev)
+    cand = torch.where(child_ix >= 0, tokens[child_ix.clamp_min(0)], extra_tok)  # [N, K] token ids, -1 = none
+    node_ix = torch.tensor(nodes, dtype=torch.long).to(dev)
+    residual = target_probs[node_ix].double()
+    q = draft_probs[node_ix].double()
+    alive = torch.ones(len(nodes), dtype=torch.bool, device=dev)
+    accept = torch.zeros(len(nodes), width, dtype=torch.float64, device=dev)
+    tested = torch.zeros(len(nodes), width, dtype=torch.bool, device=dev)  # drawn and reached
+    for r in range(width):
+        t = cand[:, r]
+        valid = alive & (t >= 0)
+        tested[:, r] = valid
+        col = t.clamp_min(0)[:, None]
+        qt, rt = q.gather(1, col)[:, 0], residual.gather(1, col)[:, 0]
+        # P(u * q[t] < R[t]) for u ~ U[0, 1): min(1, R/Q); when q[t] is 0, 1 if R[t] > 0 else 0
+        ratio = torch.where(qt > 0, (rt / qt.clamp_min(1e-300)).clamp(max=1.0), (rt > 0).double())
+        accept[:, r] = torch.where(valid, ratio, torch.zeros_like(ratio))
+        new = (residual - q).clamp_min(0)
+        total = new.sum(1, keepdim=True)
+        residual = torch.where((valid[:, None] & (total > 0)), new / total.clamp_min(1e-300), residual)
+        if without_replacement:
+            q = q.scatter(1, col, torch.where(valid, torch.zeros_like(qt), qt)[:, None])
+            qsum = q.sum(1, keepdim=True)
+            alive = alive & ~(valid & (qsum[:, 0] <= 0))  # no draft mass left: later candidates were never drawn
+            q = torch.where(valid[:, None] & (qsum > 0), q / qsum.clamp_min(1e-300), q)
+    cand = torch.where(tested, cand, torch.full_like(cand, -1))  # candidates the walk may test
+    host = torch.stack([accept, cand.double(), child_ix.double()]).cpu()  # the one table transfer
+    accept_h, cand_h, child_h = host[0].tolist(), host[1].long().tolist(), host[2].long().tolist()
+    row_of = {n: i for i, n in enumerate(nodes)}
+    node, accepted, ranks = 0, [], []
+    while True:
+        row = row_of.get(node)
+        if row is None:  # a leaf: the bonus comes from the target
+            return VerifyResult(tuple(accepted), sample(target_probs[node].float().cpu(), generator), tuple(ranks))
+        step = None
+        for rank in range(width):
+            if cand_h[row][rank] < 0:
+                continue
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u < accept_h[row][rank]:
+                if child_h[row][rank] < 0:  # an extra draw outside the tree: it is the bonus
+                    return VerifyResult(tuple(accepted), cand_h[row][rank], tuple(ranks))
+                step = (child_h[row][rank], rank)
+                break
+        if step is None:
+            return VerifyResult(tuple(accepted), sample(residual[row].float().cpu(), generator), tuple(ranks))
+        node = step[0]
+        accepted.append(step[0])
+        ranks.append(step[1])
+
+
 def verify_greedy(parents, tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
     """Accept a child iff its token is the target's argmax at the parent; the bonus is the argmax
     at the last accepted node."""
+    return verify_greedy_argmax(parents, tokens, target_logits.argmax(-1))
+
+
+def verify_greedy_argmax(parents, tokens, best) -> VerifyResult:
+    """verify_greedy given each node's argmax token (`best` [n]: host tensor or list)."""
     kids = _children(parents)
+    tokens, best = [int(t) for t in tokens], [int(b) for b in best]
     node, accepted, ranks = 0, [], []
     while True:
-        best = int(target_logits[node].argmax())
-        match = [(r, c) for r, c in enumerate(kids.get(node, [])) if int(tokens[c]) == best]
+        best_here = best[node]
+        match = [(r, c) for r, c in enumerate(kids.get(node, [])) if tokens[c] == best_here]
         if not match:
-            return VerifyResult(tuple(accepted), best, tuple(ranks))
+            return VerifyResult(tuple(accepted), best_here, tuple(ranks))
         rank, node = match[0]
         accepted.append(node)
         ranks.append(rank)

@@ -63,19 +63,19 @@ def test_greedy_speculation_equals_plain_greedy(pair, partial, plain, tmp_path, 
         assert s["tokens_per_step"] < 2.0
 
 
-def _first_child_of_each_level(parents, tokens, target_logits):
+def _first_child_of_each_level(parents, tokens, best):
     """A greedy verifier broken on purpose: it accepts the first child at every level, whatever
     the target says."""
     kids, node, accepted = _children(parents), 0, []
     while kids.get(node):
         node = kids[node][0]
         accepted.append(node)
-    return VerifyResult(tuple(accepted), int(target_logits[node].argmax()), (0,) * len(accepted))
+    return VerifyResult(tuple(accepted), int(best[node]), (0,) * len(accepted))
 
 
 def test_a_broken_greedy_verifier_fails_the_equality_test(pair, partial, plain, monkeypatch):
     """Negative control for the test above: with the verifier broken, the tokens differ."""
-    monkeypatch.setattr(decoder, "verify_greedy", _first_child_of_each_level)
+    monkeypatch.setattr(decoder, "verify_greedy_argmax", _first_child_of_each_level)
     result, _ = greedy_past_eos(pair[0], PROMPT, 40, draft=partial, tree="sequoia", tree_budget=24, tree_depth=5)
     assert result.token_ids != plain
 
@@ -107,8 +107,9 @@ def test_kv_caches_after_every_step_equal_a_fresh_prefill(pair, partial, kind, b
             assert cache.length == len(seq)
             fresh = model.new_cache(len(seq))
             model.forward(torch.tensor(seq), torch.arange(len(seq)), fresh)
-            torch.testing.assert_close(cache.k[:, :, :, : len(seq)], fresh.k[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(cache.v[:, :, :, : len(seq)], fresh.v[:, :, :, : len(seq)], atol=1e-5, rtol=1e-4)
+            # (float32 sums in another order: noise is ~1e-5; a wrong slot committed differs by O(0.1))
+            torch.testing.assert_close(cache.k[:, :, :, : len(seq)], fresh.k[:, :, :, : len(seq)], atol=1e-4, rtol=1e-3)
+            torch.testing.assert_close(cache.v[:, :, :, : len(seq)], fresh.v[:, :, :, : len(seq)], atol=1e-4, rtol=1e-3)
     engine.close()
     assert partly_accepted(lengths) >= PARTIAL_FLOOR, lengths
     if kind != "chain":  # a chain has one child per node

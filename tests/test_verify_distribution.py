@@ -3,8 +3,16 @@ distribution, for every stochastic tree kind, by a chi-square test against exact
 
 A toy language model over V tokens: the target's and the draft's next-token distributions are
 fixed random functions of the prefix (the draft correlated with the target, as a real draft is).
-Threshold: the test fails when the chi-square p-value is below 1e-4 (a correct sampler fails
-1 run in 10,000); the deliberately wrong verifier (no residual update) must give p < 1e-4.
+These tests call the verifier directly, at several temperatures and top-p cuts; the engine-level
+tests (test_speculative_distribution.py) run the real decoder on a spread fixture, with a broken
+variant per tree kind that must be rejected.
+
+Threshold: a test fails when the chi-square p-value is below ALPHA = 1e-4 (a correct sampler fails
+1 run in 10,000). Power, written down: with SAMPLES = 6,000 a deviation of Cohen's effect size
+w >= MIN_W = 0.13 from the exact joint (noncentrality N w^2; at most 63 degrees of freedom) is
+detected with probability >= 0.99 (`test_the_sample_size_gives_the_power_written_down`). The
+deliberately wrong verifier (no residual update) has w = 0.58 on its fixture (measured with 4,000
+samples) and must give p < ALPHA with WRONG_SAMPLES = 1,000 (power > 0.999 by the same formula).
 """
 
 import numpy as np
@@ -18,7 +26,10 @@ from sequoia_trees.sampling import SamplingParams, logits_to_probs, sample_with_
 from sequoia_trees.verify import verify_stochastic
 
 V = 8
-SAMPLES = 20_000
+ALPHA = 1e-4
+SAMPLES = 6_000
+MIN_W = 0.13
+WRONG_SAMPLES, WRONG_W = 1_000, 0.58
 
 
 class ToyPair:
@@ -156,18 +167,24 @@ def test_first_two_tokens_have_the_target_distribution(kind, temperature, top_p)
     pair = ToyPair(SamplingParams(temperature, top_p), seed={"sequoia": 1, "specinfer": 2, "chain": 3, "specexec": 4}[kind])
     g = torch.Generator().manual_seed(1234)
     samples = np.array([first_two(pair, SHAPES[kind], kind, g) for _ in range(SAMPLES)])
-    assert chi_square_p(samples, exact_first_two(pair)) > 1e-4
+    assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
+
+
+def test_the_sample_size_gives_the_power_written_down():
+    for n, w, df in ((SAMPLES, MIN_W, 63), (WRONG_SAMPLES, WRONG_W, 63)):
+        power = stats.ncx2.sf(stats.chi2.ppf(1 - ALPHA, df), df, n * w * w)
+        assert power >= 0.99, (n, w, power)
 
 
 def test_a_verifier_without_the_residual_update_fails_the_same_test():
     pair = ToyPair(SamplingParams(1.0, 1.0), seed=7)
     g = torch.Generator().manual_seed(99)
-    samples = np.array([first_two(pair, SHAPES["sequoia"], "sequoia", g, wrong=True) for _ in range(SAMPLES)])
-    assert chi_square_p(samples, exact_first_two(pair)) < 1e-4
+    samples = np.array([first_two(pair, SHAPES["sequoia"], "sequoia", g, wrong=True) for _ in range(WRONG_SAMPLES)])
+    assert chi_square_p(samples, exact_first_two(pair)) < ALPHA
 
 
 def test_sampling_without_replacement_draws_in_order_from_the_renormalised_remainder():
-    """20,000 (first, second) pairs against P(a, b) = p_a p_b / (1 - p_a); p-value threshold 1e-4."""
+    """SAMPLES (first, second) pairs against P(a, b) = p_a p_b / (1 - p_a); p-value threshold 1e-4."""
     probs = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05, 0.0])
     g = torch.Generator().manual_seed(5)
     n = len(probs)
@@ -253,7 +270,9 @@ def test_children_kept_by_their_own_probability_need_the_rest_of_the_draws():
     """A best-first tree keeps a prefix of each node's draws whose length depends on the tokens
     drawn. Here: two tokens drawn from Q = (0.9, 0.1), the first kept only if it is token 0.
     With the dropped draws tested too, the first emitted token has P = (0.5, 0.5); without them
-    it is biased to (0.55, 0.45). 20,000 runs each; chi-square p-value thresholds 1e-4."""
+    it is biased to (0.55, 0.45): w = 0.1 on one degree of freedom, which SAMPLES = 6,000 runs
+    detect with probability 0.9996 (noncentrality 60 against a critical value of 15.1). Chi-square
+    p-value thresholds 1e-4."""
     P = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
     Q = torch.tensor([[0.9, 0.1], [0.9, 0.1]])
     g = torch.Generator().manual_seed(21)
@@ -269,3 +288,75 @@ def test_children_kept_by_their_own_probability_need_the_rest_of_the_draws():
             firsts[with_extra].append(int(tokens[r.accepted[0]]) if r.accepted else r.bonus_token)
     assert stats.chisquare(np.bincount(firsts[True], minlength=2), [SAMPLES / 2] * 2).pvalue > 1e-4
     assert stats.chisquare(np.bincount(firsts[False], minlength=2), [SAMPLES / 2] * 2).pvalue < 1e-4
+
+
+def _random_case(rng: np.random.Generator, without_replacement: bool):
+    """A random tree (BFS order) over V tokens with target and draft rows, some of small support
+    (so that a node's candidates can exhaust its draft), children drawn the way the flag says,
+    and extra draws at some nodes."""
+    n = int(rng.integers(2, 12))
+    parents = [-1] + sorted(int(rng.integers(0, i)) for i in range(1, n))
+    P = torch.tensor(rng.dirichlet(np.full(V, 0.5), n), dtype=torch.float32)
+    Q = torch.tensor(rng.dirichlet(np.full(V, 0.5), n), dtype=torch.float32)
+    for i in range(n):
+        if rng.random() < 0.3:  # a small support
+            Q[i, rng.permutation(V)[: V - 2]] = 0
+            Q[i] /= Q[i].sum()
+    kids = {}
+    for i, p in enumerate(parents[1:], 1):
+        kids.setdefault(p, []).append(i)
+    tokens, extra = torch.zeros(n, dtype=torch.long), {}
+    for node, ch in kids.items():
+        support = np.flatnonzero(Q[node].numpy() > 0)
+        if without_replacement:
+            draws = rng.permutation(support)[: len(ch) + int(rng.integers(0, 2))]
+        else:
+            draws = rng.choice(support, len(ch))
+        for c, t in zip(ch, draws):
+            tokens[c] = int(t)
+        if without_replacement and len(draws) > len(ch):
+            extra[node] = [int(t) for t in draws[len(ch):]]
+        if len(draws) < len(ch):  # support ran out: the rest are never drawn
+            return None
+    return tuple(parents), tokens, P, Q, extra
+
+
+def test_the_table_verifier_gives_the_walk_verifiers_results_seed_for_seed():
+    """verify_stochastic_table (the arithmetic for every node at once, on the device) must make the
+    same decisions as verify_stochastic (the walk) from the same uniforms: same accepted path, ranks
+    and bonus token for the same generator seed, on 600 random trees with and without replacement,
+    extra draws, duplicate draws (also verified as if drawn without replacement), and drafts whose
+    support runs out."""
+    from sequoia_trees.verify import verify_stochastic_table
+    rng = np.random.default_rng(3)
+    checked = 0
+    while checked < 600:
+        wr = bool(rng.random() < 0.7)
+        case = _random_case(rng, wr)
+        if case is None:
+            continue
+        if not wr and rng.random() < 0.5:  # with-replacement draws verified as without (a misuse the
+            wr = True  # negative controls make): duplicates can exhaust the draft; both must agree
+        parents, tokens, P, Q, extra = case
+        seed = int(rng.integers(2**31))
+        walk = verify_stochastic(parents, tokens, P, Q, torch.Generator().manual_seed(seed), wr, extra)
+        table = verify_stochastic_table(parents, tokens, P, Q, torch.Generator().manual_seed(seed), wr, extra)
+        assert table == walk, (parents, tokens, extra, wr)
+        checked += 1
+
+
+def test_the_table_verifier_skips_a_child_that_was_never_drawn():
+    """A child whose token is -1 (its parent's draft ran out of support) is as if absent."""
+    from sequoia_trees.verify import verify_stochastic_table
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        case = None
+        while case is None or case[0].count(case[0][-1]) < 2:  # the last node has a sibling
+            case = _random_case(rng, True)
+        parents, tokens, P, Q, extra = case
+        seed = int(rng.integers(2**31))
+        marked = tokens.clone()
+        marked[-1] = -1
+        r1 = verify_stochastic_table(parents, marked, P, Q, torch.Generator().manual_seed(seed), True, None)
+        r2 = verify_stochastic(parents[:-1], tokens[:-1], P[:-1], Q[:-1], torch.Generator().manual_seed(seed), True)
+        assert r1 == r2

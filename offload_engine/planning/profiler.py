@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from sequoia_trees.acceptance import AcceptanceVector
-from sequoia_trees.sampling import SamplingParams, greedy_top_k, logits_to_probs, sample_without_replacement
+from sequoia_trees.sampling import SamplingParams, gumbel_top_k, logits_to_probs
 
 from ..errors import UserError
 from ..fsutil import atomic_write_text, cache_root
@@ -204,16 +204,18 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
                   logits_rows=slice(0, 0))
     dcache.advance(PREFIX_TOKENS)
 
+    dg = g if draft.device.type == "cpu" else torch.Generator(draft.device).manual_seed(0)
+
     def draft_level(w, greedy):
         tokens, positions, mask = _tree_inputs(w, PREFIX_TOKENS, draft.device, g, engine.config.vocab_size)
 
         def run():
-            logits = draft.forward(tokens, positions, dcache, mask=mask).cpu()
-            for row in logits:  # as the decoder draws each node's children (two here)
-                if greedy:
-                    greedy_top_k(row, 2)
-                else:
-                    sample_without_replacement(logits_to_probs(row, params), 2, g)
+            logits = draft.forward(tokens, positions, dcache, mask=mask)
+            # as the decoder picks every node's children (two here) at once, on the device
+            if greedy:
+                torch.topk(logits, 2).indices
+            else:
+                gumbel_top_k(logits_to_probs(logits, params), 2, dg)
         return run
 
     _timed(draft_level(1, False), draft.device)

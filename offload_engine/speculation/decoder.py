@@ -3,7 +3,7 @@
 Both caches hold every committed token except the last one, the *root*. One step:
   1. the draft runs on the tokens it has not seen yet (the root included), then grows the tree
      level by level with its own KV cache and the tree's ancestor mask, drawing each node's
-     children from its distribution Q (without replacement; top-k at temperature 0);
+     children from its distribution Q (without replacement, Gumbel top-k; top-k at temperature 0);
   2. the target runs once over [root + every tree node] with the ancestor mask and depth-based
      positions;
   3. the tree is verified exactly (sequoia_trees.verify): accepted nodes, then one bonus token;
@@ -11,6 +11,18 @@ Both caches hold every committed token except the last one, the *root*. One step
      the bonus token becomes the next root.
 Plain decoding is the same loop with a one-node tree (kind "none"): no draft, and the step is a
 target pass over the root and a draw from its distribution.
+
+Where the work happens (the same code on the CPU and on a GPU): logits never leave the device
+they are computed on. A static tree's shape (mask, positions, which row each child's token comes
+from) is built once per decoder on the device; each draft level picks every node's children at
+once on the device and writes their tokens into a device tensor, so a static tree's growth has no
+host round trip at all. Greedy verification compares on the device and moves the tokens and the
+argmax of each node (2n integers); stochastic verification either walks on the host
+(`verify_stochastic`, the default where the device is the CPU) or computes its acceptance table on
+the device (`verify_stochastic_table`, the default on a GPU) and moves that table and one row.
+Best-first (specexec) trees move each level's few candidates and their log-probabilities to the
+host, where the frontier lives. A child the draft could not draw (its support ran out) keeps the
+token -1: it runs through the passes as token 0, is never accepted, and changes nothing.
 """
 
 from __future__ import annotations
@@ -22,14 +34,16 @@ import torch
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import optimal_tree
 from sequoia_trees.dynamic import BestFirstFrontier
-from sequoia_trees.sampling import (SamplingParams, greedy_top_k, logits_to_probs, sample,
-                                    sample_with_replacement, sample_without_replacement)
-from sequoia_trees.verify import VerifyResult, verify_greedy, verify_stochastic
+from sequoia_trees.sampling import SamplingParams, gumbel_top_k, logits_to_probs, sample
+from sequoia_trees.verify import VerifyResult, verify_greedy_argmax, verify_stochastic, verify_stochastic_table
 
 from ..runtime.kv_cache import KVCache
 from ..runtime.model import Transformer
 
 TREE_KINDS = ("sequoia", "specexec", "specinfer", "chain", "none")
+# How stochastic verification runs: "walk" on the host (cheapest where logits already are there),
+# "table" on the logits' device (a GPU: nothing but small tables crosses), "auto" by device.
+VERIFY_MODES = ("auto", "walk", "table")
 # Used by --tree sequoia until a measured vector is given (issue 5 stores measured ones).
 GENERIC_ACCEPTANCE = AcceptanceVector((0.55, 0.15, 0.07, 0.04, 0.025, 0.015, 0.01, 0.008))
 
@@ -67,31 +81,66 @@ class TreeSpec:
         return self.depth if self.kind == "chain" else self.budget
 
 
-class Tree:
-    """A tree under construction: nodes in BFS order (node 0 is the root), with its ancestor
-    mask kept up to date as nodes are added."""
+class StaticShape:
+    """A static tree's shape on the device, built once per decoder: the ancestor mask, each node's
+    depth, and per level the rows and ranks that place the draft's choices as the next level's
+    tokens (nodes in BFS order, so a level is a contiguous range)."""
 
-    def __init__(self, root: int, max_nodes: int):
+    def __init__(self, parents: tuple[int, ...], device: torch.device):
+        n = len(parents)
+        depths = [0] * n
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[0, 0] = True
+        for i in range(1, n):
+            p = parents[i]
+            if not 0 <= p < i or depths[p] + 1 < depths[i - 1]:
+                raise ValueError(f"tree shape not in BFS order at node {i}: {parents}")
+            depths[i] = depths[p] + 1
+            mask[i] = mask[p]
+            mask[i, i] = True
+        self.parents, self.n = parents, n
+        self.mask = mask.to(device)
+        self.depths = torch.tensor(depths, device=device)
+        bounds = [0] + [i for i in range(1, n) if depths[i] != depths[i - 1]] + [n]
+        self.levels = []  # (lo, hi, children: (lo, hi, parent row in level, rank) or None)
+        rank_of = [0] * n
+        seen: dict[int, int] = {}
+        for i in range(1, n):
+            rank_of[i] = seen.get(parents[i], 0)
+            seen[parents[i]] = rank_of[i] + 1
+        for lo, hi, nxt in zip(bounds, bounds[1:], bounds[2:] + [None]):
+            if nxt is None:
+                self.levels.append((lo, hi, None))
+                continue
+            rows = torch.tensor([parents[j] - lo for j in range(hi, nxt)], device=device)
+            ranks = torch.tensor([rank_of[j] for j in range(hi, nxt)], device=device)
+            self.levels.append((lo, hi, (hi, nxt, rows, ranks, max(rank_of[hi:nxt]) + 1)))
+
+
+class Tree:
+    """A best-first tree under construction: nodes in the order they were added (node 0 is the
+    root), on the host, with its ancestor mask kept up to date on the device."""
+
+    def __init__(self, root: int, max_nodes: int, device: torch.device):
         self.parents, self.tokens, self.depths, self.ranks = [-1], [root], [0], [0]
-        self.mask = torch.zeros(max_nodes, max_nodes, dtype=torch.bool)
+        self.mask = torch.zeros(max_nodes, max_nodes, dtype=torch.bool, device=device)
         self.mask[0, 0] = True
 
     def __len__(self) -> int:
         return len(self.parents)
 
-    def add(self, parent: int, token: int, rank: int) -> int:
-        i = len(self.parents)
-        self.parents.append(parent)
-        self.tokens.append(token)
-        self.depths.append(self.depths[parent] + 1)
-        self.ranks.append(rank)
-        self.mask[i] = self.mask[parent]
-        self.mask[i, i] = True
-        return i
-
-    def ancestor_mask(self, device, rows: slice | None = None) -> torch.Tensor:
-        n = len(self.parents)
-        return self.mask[rows or slice(0, n), :n].to(device)
+    def add_level(self, parents: list[int], tokens: list[int], ranks: list[int]) -> None:
+        """Nodes added together (one draft forward); their mask rows built with one gather."""
+        lo = len(self.parents)
+        for p, t, r in zip(parents, tokens, ranks):
+            self.parents.append(p)
+            self.tokens.append(t)
+            self.depths.append(self.depths[p] + 1)
+            self.ranks.append(r)
+        hi = len(self.parents)
+        new = torch.arange(lo, hi, device=self.mask.device)
+        self.mask[lo:hi] = self.mask[torch.tensor(parents, device=self.mask.device)]
+        self.mask[new, new] = True
 
 
 @dataclass
@@ -172,13 +221,20 @@ class PrefixCache:
 
 
 class SpeculativeDecoder:
-    """Runs speculation steps for one generation, on fresh caches or on a `PrefixCache`'s."""
+    """Runs speculation steps for one generation, on fresh caches or on a `PrefixCache`'s.
+
+    verify: one of VERIFY_MODES (where stochastic verification runs; "auto" walks on the host
+    when the target computes on the CPU and uses the device table on a GPU)."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
-                 generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None):
+                 generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
+                 verify: str = "auto"):
         if spec.kind == "none":
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
+        self.verify_mode = verify if verify != "auto" else ("walk" if target.device.type == "cpu" else "table")
         self.static_parents = spec.shape()
         need = capacity + spec.max_nodes
         self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None
@@ -186,6 +242,11 @@ class SpeculativeDecoder:
         self.target_cache = self.seqs[0].cache
         self.draft_cache = self.seqs[1].cache if draft is not None else None
         self.reused_tokens = 0  # prompt tokens whose target K/V came from the previous generation
+        self.device = draft.device if draft is not None else target.device
+        self.shape = StaticShape(self.static_parents, self.device) if self.static_parents is not None else None
+        # draws on the draft's device come from a generator there, seeded from the generation's
+        self.device_g = generator if self.device.type == "cpu" else torch.Generator(self.device).manual_seed(
+            int(torch.randint(0, 2**62, (1,), generator=generator)))
 
     def prefill(self, ids: list[int], chunk: int) -> torch.Tensor:
         """The prompt into both caches (in chunks), after the longest prefix they already hold;
@@ -217,17 +278,26 @@ class SpeculativeDecoder:
         return sample(logits_to_probs(logits, self.params).cpu(), self.g)
 
     def step(self, root: int) -> StepResult:
-        tree = Tree(root, self.spec.max_nodes)
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
-        draft_probs = self._grow(tree) if self.draft is not None else None
-        result = self._verify(tree, draft_probs)
+        if self.draft is None:
+            parents, tokens, draft_probs = (-1,), torch.tensor([root], device=self.device), None
+            mask, depths = torch.ones(1, 1, dtype=torch.bool, device=self.device), torch.zeros(1, dtype=torch.long)
+        elif self.shape is not None:
+            parents, mask, depths = self.shape.parents, self.shape.mask, self.shape.depths
+            tokens, draft_probs = self._grow_static(root)
+        else:
+            tree, draft_probs = self._grow_best_first(root)
+            n = len(tree)
+            parents, tokens = tuple(tree.parents), torch.tensor(tree.tokens, device=self.device)
+            mask, depths = tree.mask[:n, :n], torch.tensor(tree.depths)
+        result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs)
         path = [0] + list(result.accepted)
-        kept = [tree.tokens[i] for i in path]
+        kept = [host_tokens[i] for i in path]
         base = self.target_cache.length
         self.target_cache.commit([base + i for i in path])
         self.seqs[0].tokens.extend(kept)
         if self.draft_cache is not None:
-            dbase = self.draft_cache.length - len(tree.parents)  # the tree's slots follow the committed ones
+            dbase = self.draft_cache.length - len(parents)  # the tree's slots follow the committed ones
             self.draft_cache.truncate(dbase)
             self.draft_cache.commit([dbase + i for i in path])
             self.seqs[1].tokens.extend(kept)
@@ -235,98 +305,123 @@ class SpeculativeDecoder:
 
     # ---- target side ------------------------------------------------------------------------
 
-    def _verify(self, tree: Tree, draft_probs: torch.Tensor | None) -> VerifyResult:
+    def _verify(self, parents: tuple[int, ...], tokens: torch.Tensor, tree_mask: torch.Tensor, depths: torch.Tensor,
+                draft_probs: torch.Tensor | None) -> tuple[VerifyResult, list[int]]:
+        """The target's pass over the tree and its verification; also the tree's tokens on the host."""
         model, cache, dev = self.target, self.target_cache, self.target.device
-        n, past = len(tree.parents), self.target_cache.length
-        mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev), tree.ancestor_mask(dev)], dim=1)
-        positions = torch.tensor(tree.depths, device=dev) + past
-        logits = model.forward(torch.tensor(tree.tokens, device=dev), positions, cache, mask=mask)
-        tokens = torch.tensor(tree.tokens)
+        n, past = len(parents), self.target_cache.length
+        tokens = tokens.to(dev)
+        mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev), tree_mask.to(dev)], dim=1)
+        logits = model.forward(tokens.clamp_min(0), depths.to(dev) + past, cache, mask=mask)
         if self.params.greedy:
-            return verify_greedy(tree.parents, tokens, logits.cpu())
-        target_probs = logits_to_probs(logits, self.params).cpu()
+            host = torch.stack([tokens, logits.argmax(-1)]).cpu()  # 2n integers: the one transfer
+            host_tokens = host[0].tolist()
+            return verify_greedy_argmax(parents, host_tokens, host[1].tolist()), host_tokens
+        target_probs = logits_to_probs(logits, self.params)
         if draft_probs is None:  # a one-node tree: plain sampling
-            return VerifyResult((), sample(target_probs[0], self.g), ())
-        return verify_stochastic(tree.parents, tokens, target_probs, draft_probs, self.g,
-                                 without_replacement=self.spec.kind != "specinfer", extra_draws=self._extra)
+            return VerifyResult((), sample(target_probs[0].cpu(), self.g), ()), tokens.cpu().tolist()
+        wr = self.spec.kind != "specinfer"
+        if self.verify_mode == "table":
+            result = verify_stochastic_table(parents, tokens, target_probs, draft_probs.to(dev), self.g,
+                                             without_replacement=wr, extra_draws=self._extra)
+            return result, tokens.cpu().tolist()
+        host_tokens = tokens.cpu()
+        result = verify_stochastic(parents, host_tokens, target_probs.cpu(), draft_probs.cpu(), self.g,
+                                   without_replacement=wr, extra_draws=self._extra)
+        return result, host_tokens.tolist()
 
     # ---- draft side -------------------------------------------------------------------------
 
-    def _draft_forward(self, tree: Tree, lo: int, hi: int) -> torch.Tensor:
-        """Draft logits for tree nodes lo..hi-1 (one level), their K/V kept in the scratch slots."""
-        model, cache, dev = self.draft, self.draft_cache, self.draft.device
+    def _draft_forward(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+                       lo: int, hi: int) -> torch.Tensor:
+        """Draft logits (on the device) for tree nodes lo..hi-1 (one level), their K/V kept in the
+        scratch slots. tree_mask: the level's rows of the ancestor mask, over nodes 0..hi-1."""
+        model, cache, dev = self.draft, self.draft_cache, self.device
         tree_base = cache.length - lo  # slot of tree node 0
-        mask = torch.cat([torch.ones(hi - lo, tree_base, dtype=torch.bool, device=dev),
-                          tree.ancestor_mask(dev, slice(lo, hi))], dim=1)
-        positions = torch.tensor(tree.depths[lo:hi], device=dev) + tree_base
-        logits = model.forward(torch.tensor(tree.tokens[lo:hi], device=dev), positions, cache, mask=mask)
+        mask = torch.cat([torch.ones(hi - lo, tree_base, dtype=torch.bool, device=dev), tree_mask], dim=1)
+        logits = model.forward(tokens.clamp_min(0), depths + tree_base, cache, mask=mask)
         cache.advance(hi - lo)
-        return logits.cpu()
+        return logits
 
-    def _children_of(self, logits: torch.Tensor, count: int, with_replacement: bool) -> tuple[list[int], torch.Tensor]:
+    def _children(self, logits: torch.Tensor, k: int, with_replacement: bool = False):
+        """Every row's first k children, chosen on the device: tokens [w, k], valid [w, k] (False
+        where the row's support ran out) and Q [w, V] (None at temperature 0)."""
+        k_eff = min(k, logits.shape[-1])
         if self.params.greedy:
-            return greedy_top_k(logits, count).tolist(), torch.softmax(logits.float(), -1)
-        q = logits_to_probs(logits, self.params)
-        draw = sample_with_replacement if with_replacement else sample_without_replacement
-        return draw(q, count, self.g).tolist(), q
+            idx = torch.topk(logits, k_eff).indices
+            valid, q, keys = torch.ones_like(idx, dtype=torch.bool), None, None
+        else:
+            q = logits_to_probs(logits, self.params)
+            if with_replacement:  # SpecInfer's independent sequences
+                idx = torch.multinomial(q, k, replacement=True, generator=self.device_g)
+                return idx, torch.ones_like(idx, dtype=torch.bool), q
+            idx, keys = gumbel_top_k(q, k_eff, self.device_g)
+            valid = torch.isfinite(keys)
+        if k_eff < k:  # more children wanted than the vocabulary has
+            pad = k - k_eff
+            idx = torch.cat([idx, idx.new_zeros(idx.shape[0], pad)], 1)
+            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], 1)
+        return idx, valid, q
 
-    def _grow(self, tree: Tree) -> torch.Tensor:
+    def _grow_static(self, root: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Grow the static tree level by level from the root (every level, the leaves included,
-        runs through the draft so that any accepted node has its K/V); returns Q [n, V]."""
-        parents = self.static_parents
-        if parents is None:
-            return self._grow_best_first(tree)
-        kids: dict[int, list[int]] = {}
-        for i, p in enumerate(parents):
-            if p >= 0:
-                kids.setdefault(p, []).append(i)
-        shape_id = [0]  # tree node -> node of the static shape (a draft out of support leaves gaps)
+        runs through the draft so that any accepted node has its K/V). Returns the tokens [n] and
+        Q [rows, V] for the nodes above the last level (None at temperature 0), all on the device."""
+        shape = self.shape
+        tokens = torch.full((shape.n,), -1, dtype=torch.long, device=self.device)
+        tokens[0] = root
         q_rows: list[torch.Tensor] = []
-        lo = 0
-        while lo < len(tree):
-            hi = len(tree)
-            logits = self._draft_forward(tree, lo, hi)
-            for j, node in enumerate(range(lo, hi)):
-                want = kids.get(shape_id[node], [])
-                if not want:
-                    q_rows.append(torch.zeros(logits.shape[-1]))
-                    continue
-                toks, q = self._children_of(logits[j], len(want), self.spec.kind == "specinfer" and node == 0)
+        for lo, hi, children in shape.levels:
+            logits = self._draft_forward(tokens[lo:hi], shape.depths[lo:hi], shape.mask[lo:hi, :hi], lo, hi)
+            if children is None:
+                break
+            clo, chi, rows, ranks, k = children
+            idx, valid, q = self._children(logits, k, self.spec.kind == "specinfer" and lo == 0)
+            if q is not None:
                 q_rows.append(q)
-                for rank, tok in enumerate(toks):
-                    tree.add(node, tok, rank)
-                    shape_id.append(want[rank])
-            lo = hi
-        return torch.stack(q_rows)
+            ok = valid[rows, ranks] & (tokens[lo:hi][rows] >= 0)  # below a never-drawn node: never drawn
+            tokens[clo:chi] = torch.where(ok, idx[rows, ranks], torch.full_like(rows, -1))
+        return tokens, (torch.cat(q_rows) if q_rows else None)
 
-    def _grow_best_first(self, tree: Tree) -> torch.Tensor:
+    def _grow_best_first(self, root: int) -> tuple[Tree, torch.Tensor | None]:
         """SpecExec: add the globally most probable candidates in batches, each batch one draft
         forward, until the budget is spent; about depth-1 draft forwards in all. Each node's
-        draws that stay out of the tree are kept for verification (see verify_stochastic)."""
+        draws that stay out of the tree are kept for verification (see verify_stochastic).
+        Per forward, the level's candidates and their log-probabilities come to the host (the
+        frontier lives there); Q [n, V] stays on the device (None at temperature 0)."""
         spec = self.spec
+        tree = Tree(root, spec.max_nodes, self.device)
         frontier = BestFirstFrontier(spec.depth)
         batch = max(1, (spec.budget - 1) // max(1, spec.depth - 1))
         width = spec.acceptance.width
         scores, q_rows, draws = [0.0], [], {}
         lo, hi = 0, 1
         while True:
-            logits = self._draft_forward(tree, lo, hi)
-            for j, node in enumerate(range(lo, hi)):
-                toks, q = self._children_of(logits[j], width, False)
+            toks = torch.tensor(tree.tokens[lo:hi], device=self.device)
+            depths = torch.tensor(tree.depths[lo:hi], device=self.device)
+            logits = self._draft_forward(toks, depths, tree.mask[lo:hi, :hi], lo, hi)
+            idx, valid, q = self._children(logits, width)
+            if q is None:  # temperature 0: the draft's own softmax scores the candidates
+                logq = logits.float().log_softmax(-1).gather(1, idx).double()
+            else:
+                logq = q.gather(1, idx).double().clamp_min(1e-300).log()
                 q_rows.append(q)
-                draws[node] = toks
-                logq = torch.log(q[toks].double().clamp_min(1e-300)).tolist()
-                frontier.offer(node, scores[node], tree.depths[node], toks, logq)
+            ids_h, logq_h, valid_h = torch.stack([idx.double(), logq, valid.double()]).cpu().tolist()  # one transfer
+            for j, node in enumerate(range(lo, hi)):
+                keep = [c for c, ok in enumerate(valid_h[j]) if ok]
+                cand = [int(ids_h[j][c]) for c in keep]
+                draws[node] = cand
+                frontier.offer(node, scores[node], tree.depths[node], cand, [logq_h[j][c] for c in keep])
             room = spec.budget - len(tree)
             if room <= 0 or not len(frontier):
                 break
             lo = len(tree)
-            for cand in frontier.pop(min(batch, room)):
-                tree.add(cand.parent, cand.token, cand.rank)
-                scores.append(cand.score)
+            picked = frontier.pop(min(batch, room))
+            tree.add_level([c.parent for c in picked], [c.token for c in picked], [c.rank for c in picked])
+            scores += [c.score for c in picked]
             hi = len(tree)
         in_tree: dict[int, int] = {}
         for parent in tree.parents[1:]:
             in_tree[parent] = in_tree.get(parent, 0) + 1
         self._extra = {node: toks[in_tree.get(node, 0):] for node, toks in draws.items()}
-        return torch.stack(q_rows)
+        return tree, (torch.cat(q_rows) if q_rows else None)
