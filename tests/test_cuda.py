@@ -176,3 +176,100 @@ def test_self_draft_greedy_equals_plain_on_cuda(ckpt, tmp_path, monkeypatch, dra
     spec = greedy_past_eos(ckpt.folder, "The capital of France is", 32, device="cuda", tree="sequoia", draft=draft,
                            draft_group_size=32, offload="ram", tree_budget=16, tree_depth=5)[0]
     assert spec.token_ids == want
+
+
+# ---- the speculation step on the device (issue 17) -------------------------------------------
+
+def _tiny_pair_on(device, root):
+    from test_speculative_distribution import load, tiny
+    from tiny_models import perturbed_copy
+    target = tiny(root / "target", 1)
+    draft = perturbed_copy(target, root / "draft", 0.6, 5, sharpen=2.0)
+    return [Transformer.from_checkpoint(Checkpoint(p, load_config(p)), torch.float32, device) for p in (target, draft)]
+
+
+@pytest.mark.parametrize("backend", ["efficient", "matmul"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_backends_equal_sdpa_on_cuda(backend, dtype):
+    from offload_engine.runtime import attention
+    g = torch.Generator().manual_seed(0)
+    for S, T in ((1, 300), (7, 40), (129, 600)):
+        q = torch.randn(1, 64, S, 128, generator=g).to(CUDA, dtype)
+        k, v = (torch.randn(1, 8, T, 128, generator=g).to(CUDA, dtype) for _ in range(2))
+        mask = (torch.rand(S, T, generator=g) < 0.7)
+        mask[:, 0] = True
+        mask = mask.to(CUDA)[None, None]
+        want = attention.attend(q.float(), k.float(), v.float(), mask, "sdpa")
+        got = attention.attend(q, k, v, mask, backend).float()
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_captured_draft_levels_equal_eager_ones(tmp_path):
+    """A replayed CUDA graph gives the eager padded pass's logits and K/V, for every bucket it is
+    captured at and at different cache offsets (the slots and masks are buffer values)."""
+    from offload_engine.runtime.draft_graphs import StaticLevels
+    _, draft = _tiny_pair_on(CUDA, tmp_path)
+    caches = [draft.new_cache(200) for _ in range(2)]
+    runners = [StaticLevels(draft, caches[0], capture=False), StaticLevels(draft, caches[1], capture=True)]
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 8, (20,), generator=g).to(CUDA)
+    for c in caches:
+        draft.forward(prefix, torch.arange(20, device=CUDA), c)
+        c.advance(20)
+    base = 20
+    for w in (1, 3, 8, 5, 3, 17):  # buckets 1, 4, 8 again, 32, and a replay of 4 at a new offset
+        tokens = torch.randint(0, 8, (w,), generator=g).to(CUDA)
+        n = caches[0].length + w - base
+        tree_mask = (torch.rand(w, n, generator=g) < 0.5).to(CUDA)
+        tree_mask[:, 0] = True
+        positions = torch.arange(w, device=CUDA) + caches[0].length
+        outs = [r.run(tokens, positions, tree_mask, base) for r in runners]
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
+        for c in caches:
+            c.advance(w)
+        end = caches[0].length
+        torch.testing.assert_close(caches[1].k[:, :, :, :end], caches[0].k[:, :, :, :end], atol=1e-5, rtol=1e-4)
+    assert runners[1].replays == 6 and runners[1].capture, "the graphs were not used"
+
+
+@pytest.mark.parametrize("kind", ["sequoia", "specexec", "specinfer", "chain"])
+def test_device_path_gives_the_cpu_paths_greedy_tokens(tmp_path, kind):
+    """On the GPU, the device path (children picked on the device, table verification, graphed
+    draft levels) against the CPU path's modes (host walk, plain draft passes) and plain greedy."""
+    from test_draft_graphs import KINDS, _generate
+    from sequoia_trees.sampling import SamplingParams
+    from offload_engine.speculation.decoder import TreeSpec
+    target, draft = _tiny_pair_on(CUDA, tmp_path)
+    plain, _ = _generate(target, None, TreeSpec(), ("walk", "off"), SamplingParams())
+    device, dec = _generate(target, draft, KINDS[kind], ("table", "on"), SamplingParams())
+    host, _ = _generate(target, draft, KINDS[kind], ("walk", "off"), SamplingParams())
+    assert device == host == plain
+    assert dec.draft_levels.replays > 0
+
+
+@pytest.mark.parametrize("kind", ["sequoia", "specexec"])
+def test_sampled_first_two_tokens_on_cuda_have_the_target_distribution(tmp_path, kind):
+    """test_speculative_distribution's chi-square test (same fixture, sample sizes, threshold and
+    power), on the GPU with the decoder's GPU defaults: children drawn by Gumbel top-k from a CUDA
+    generator, table verification, graphed draft levels. One static kind and the best-first one
+    (the two ways a tree grows on the device), to keep the device check within its minutes."""
+    import test_speculative_distribution as dist
+    target, draft = _tiny_pair_on(CUDA, tmp_path)
+    counts, _ = dist.sample_two_tokens(target, draft, dist.SPECS[kind], dist.SAMPLES[kind], seed=17)
+    exact = dist.exact_joint(target, dist.PROMPT + [dist.ROOT])
+    p = dist.p_values(counts, exact)
+    assert min(p.values()) > dist.ALPHA / 2, p
+
+
+def test_a_broken_table_verifier_fails_on_cuda(tmp_path, monkeypatch):
+    """Negative control for the test above: SpecExec's extra draws dropped from the table."""
+    import offload_engine.speculation.decoder as decoder
+    import test_speculative_distribution as dist
+    from sequoia_trees.verify import verify_stochastic_table
+    target, draft = _tiny_pair_on(CUDA, tmp_path)
+    monkeypatch.setattr(decoder, "verify_stochastic_table",
+                        lambda *a, **kw: verify_stochastic_table(*a, **{**kw, "extra_draws": None}))
+    counts, _ = dist.sample_two_tokens(target, draft, dist.SPECS["specexec"], dist.SAMPLES["specexec"], seed=17)
+    p = dist.p_values(counts, dist.exact_joint(target, dist.PROMPT + [dist.ROOT]))
+    assert min(p.values()) < dist.ALPHA / 2, p

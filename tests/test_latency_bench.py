@@ -61,16 +61,16 @@ def test_a_broken_mode_shows_as_not_equal(pair, tmp_path, monkeypatch):
     from sequoia_trees.verify import VerifyResult
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "measure", _fast_profile)
-    real = spec.verify_greedy
+    real = spec.verify_greedy_argmax
 
-    def broken(parents, tokens, logits):
-        good = real(parents, tokens, logits)
+    def broken(parents, tokens, best):
+        good = real(parents, tokens, best)
         kids = [i for i, p in enumerate(parents) if p == 0]
         if not kids:
             return good
-        return VerifyResult((kids[0],), int(logits[kids[0]].argmax()), (0,))
+        return VerifyResult((kids[0],), int(best[kids[0]]), (0,))
 
-    monkeypatch.setattr(spec, "verify_greedy", broken)
+    monkeypatch.setattr(spec, "verify_greedy_argmax", broken)
     assert main(_args(pair, tmp_path, "--temperatures", "0", "--no-peer")) == 0
     rows = {r["mode"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert rows["plain-resident"]["equal_to_plain"] is True

@@ -80,12 +80,15 @@ def test_a_broken_greedy_verifier_fails_the_equality_test(pair, partial, plain, 
     assert result.token_ids != plain
 
 
+@pytest.mark.parametrize("modes", [("walk", "off"), ("table", "eager")], ids=["host", "device-path"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("kind,budget,depth", KINDS)
-def test_kv_caches_after_every_step_equal_a_fresh_prefill(pair, partial, kind, budget, depth, temperature):
+def test_kv_caches_after_every_step_equal_a_fresh_prefill(pair, partial, kind, budget, depth, temperature, modes):
     """After each speculative step, both caches hold exactly the K/V a fresh prefill of the
     committed sequence gives (the accepted path gathered into place, nothing else), with a draft
-    whose steps accept part of the tree, below children that are not the first-drawn ones."""
+    whose steps accept part of the tree, below children that are not the first-drawn ones. Run
+    as the CPU decodes (verification walked on the host, plain draft passes) and as a GPU does
+    (the verification table, draft levels as padded static passes writing scratch slots)."""
     from offload_engine.speculation.decoder import SpeculativeDecoder
     from sequoia_trees.sampling import SamplingParams
     target_dir, _ = pair
@@ -93,7 +96,7 @@ def test_kv_caches_after_every_step_equal_a_fresh_prefill(pair, partial, kind, b
                          specinfer_width=3, progress=False)
     ids = engine.tokenizer.encode(PROMPT)
     dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(temperature),
-                             torch.Generator().manual_seed(0), 256)
+                             torch.Generator().manual_seed(0), 256, verify=modes[0], draft_graphs=modes[1])
     root = dec.first_token(dec.prefill(ids, 1024))
     seq, lengths, off_first = list(ids), [0] * depth, 0
     for _ in range(16):

@@ -104,7 +104,7 @@ def models(tmp_path_factory):
 
 def probs_after(model, ids):
     logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids)))[-1]
-    return logits_to_probs(logits, PARAMS).double()
+    return logits_to_probs(logits, PARAMS).double().cpu()
 
 
 def exact_joint(target, ids):

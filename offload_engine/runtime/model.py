@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from ..errors import GenerationCancelled
 from ..formats.checkpoint import Checkpoint
 from ..formats.config import ModelConfig
+from .attention import attend
+from .attention import resolve as resolve_attention
 from .kv_cache import KVCache
 
 LayerWeights = dict[str, torch.Tensor]
@@ -80,17 +82,21 @@ def _linear(x: torch.Tensor, w: LayerWeights, name: str) -> torch.Tensor:
 
 
 def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int,
-              mask: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Grouped-query attention of the new tokens over the cached prefix plus themselves."""
+              mask: torch.Tensor, cfg: ModelConfig, backend: str = "sdpa",
+              slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped-query attention of the new tokens over the cached prefix plus themselves (or, with
+    `slots`, over the whole static cache, the new K/V written at those slots)."""
     B, S, _ = x.shape
     q = _linear(x, w, "self_attn.q_proj").view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
     k = _linear(x, w, "self_attn.k_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
     v = _linear(x, w, "self_attn.v_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
     q, k = rope.apply(q), rope.apply(k)  # q: [B, H, S, D]; k, v: [B, KVH, S, D]
-    keys, values = cache.write(layer, k, v)  # [B, KVH, T, D], T = cached + S
+    if slots is None:
+        keys, values = cache.write(layer, k, v)  # [B, KVH, T, D], T = cached + S
+    else:
+        keys, values = cache.write_at(layer, k, v, slots)  # T = the cache's capacity
     mask = mask[None, None] if mask.dim() == 2 else mask[:, None]  # [S, T] shared, or [B, S, T] per row
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                         enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+    out = attend(q, keys, values, mask, backend)
     out = out.transpose(1, 2).reshape(B, S, cfg.num_heads * cfg.head_dim)  # [B, S, H*D]
     return _linear(out, w, "self_attn.o_proj")
 
@@ -101,9 +107,10 @@ def mlp(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_layer(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int,
-                  mask: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+                  mask: torch.Tensor, cfg: ModelConfig, backend: str = "sdpa",
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
     h = x + attention(w, rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps), rope, cache,
-                      layer, mask, cfg)
+                      layer, mask, cfg, backend, slots)
     return h + mlp(w, rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps))
 
 
@@ -136,6 +143,7 @@ class Transformer:
         self.dtype = dtype
         self.device = device
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.attention = resolve_attention(None, device)  # the kernel every pass uses (runtime/attention.py)
         # set by the engine for one generation: when the event is set, the next layer boundary
         # raises GenerationCancelled (the layer executor restarts its loader for the next pass)
         self.interrupt: threading.Event | None = None
@@ -153,12 +161,16 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None = None, logits_rows: slice | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, logits_rows: slice | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S', V] (fp32) for new tokens input_ids [S] at `positions` [S].
 
         mask: [S, cache.length + S] bool (True = may attend); causal when None.
         The new tokens' K/V are written after cache.length; the caller keeps them with
         cache.advance / cache.commit. logits_rows selects the rows that need logits.
+        slots: [S] device tensor of the cache slots to write instead (the mask then covers the
+        cache's whole capacity, [S, capacity]): a pass whose shapes and pointers never change, as a
+        CUDA graph needs (runtime/draft_graphs.py).
         """
         S = input_ids.shape[0]
         if mask is None:
@@ -168,7 +180,7 @@ class Transformer:
         for i, w in enumerate(self.layers):
             if self.interrupt is not None and self.interrupt.is_set():
                 raise GenerationCancelled("generation cancelled")
-            x = decoder_layer(w, x, rope, cache, i, mask, self.cfg)
+            x = decoder_layer(w, x, rope, cache, i, mask, self.cfg, self.attention, slots)
         if logits_rows is not None:
             x = x[:, logits_rows]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)

@@ -37,6 +37,7 @@ from sequoia_trees.dynamic import BestFirstFrontier
 from sequoia_trees.sampling import SamplingParams, gumbel_top_k, logits_to_probs, sample
 from sequoia_trees.verify import VerifyResult, verify_greedy_argmax, verify_stochastic, verify_stochastic_table
 
+from ..runtime.draft_graphs import StaticLevels
 from ..runtime.kv_cache import KVCache
 from ..runtime.model import Transformer
 
@@ -44,6 +45,10 @@ TREE_KINDS = ("sequoia", "specexec", "specinfer", "chain", "none")
 # How stochastic verification runs: "walk" on the host (cheapest where logits already are there),
 # "table" on the logits' device (a GPU: nothing but small tables crosses), "auto" by device.
 VERIFY_MODES = ("auto", "walk", "table")
+# How draft levels run: "on" as captured CUDA graphs (runtime/draft_graphs.py), "eager" as the same
+# padded static passes without capture (how the CPU tests check them), "off" as plain passes;
+# "auto": "on" where the draft is on a GPU, else "off".
+DRAFT_GRAPH_MODES = ("auto", "on", "eager", "off")
 # Used by --tree sequoia until a measured vector is given (issue 5 stores measured ones).
 GENERIC_ACCEPTANCE = AcceptanceVector((0.55, 0.15, 0.07, 0.04, 0.025, 0.015, 0.01, 0.008))
 
@@ -156,6 +161,7 @@ class CachedSequence:
     request) `cache[:len(tokens)]` is still exactly the K/V of `tokens`."""
     cache: KVCache
     tokens: list[int]
+    levels: StaticLevels | None = None  # the draft's padded (graphed) level passes over this cache
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -224,15 +230,18 @@ class SpeculativeDecoder:
     """Runs speculation steps for one generation, on fresh caches or on a `PrefixCache`'s.
 
     verify: one of VERIFY_MODES (where stochastic verification runs; "auto" walks on the host
-    when the target computes on the CPU and uses the device table on a GPU)."""
+    when the target computes on the CPU and uses the device table on a GPU).
+    draft_graphs: one of DRAFT_GRAPH_MODES (how the draft's levels run)."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
-                 verify: str = "auto"):
+                 verify: str = "auto", draft_graphs: str = "auto"):
         if spec.kind == "none":
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if draft_graphs not in DRAFT_GRAPH_MODES:
+            raise ValueError(f"draft_graphs must be one of {DRAFT_GRAPH_MODES}, got {draft_graphs!r}")
         self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
         self.verify_mode = verify if verify != "auto" else ("walk" if target.device.type == "cpu" else "table")
         self.static_parents = spec.shape()
@@ -243,6 +252,14 @@ class SpeculativeDecoder:
         self.draft_cache = self.seqs[1].cache if draft is not None else None
         self.reused_tokens = 0  # prompt tokens whose target K/V came from the previous generation
         self.device = draft.device if draft is not None else target.device
+        if draft_graphs == "auto":
+            draft_graphs = "on" if self.device.type == "cuda" else "off"
+        self.draft_levels = None
+        if draft is not None and draft_graphs != "off":
+            seq = self.seqs[1]
+            if seq.levels is None or (draft_graphs == "eager" and seq.levels.capture):
+                seq.levels = StaticLevels(draft, seq.cache, capture=draft_graphs == "on")
+            self.draft_levels = seq.levels
         self.shape = StaticShape(self.static_parents, self.device) if self.static_parents is not None else None
         # draws on the draft's device come from a generator there, seeded from the generation's
         self.device_g = generator if self.device.type == "cpu" else torch.Generator(self.device).manual_seed(
@@ -338,8 +355,11 @@ class SpeculativeDecoder:
         scratch slots. tree_mask: the level's rows of the ancestor mask, over nodes 0..hi-1."""
         model, cache, dev = self.draft, self.draft_cache, self.device
         tree_base = cache.length - lo  # slot of tree node 0
-        mask = torch.cat([torch.ones(hi - lo, tree_base, dtype=torch.bool, device=dev), tree_mask], dim=1)
-        logits = model.forward(tokens.clamp_min(0), depths + tree_base, cache, mask=mask)
+        if self.draft_levels is not None and self.draft_levels.fits(hi - lo):
+            logits = self.draft_levels.run(tokens, depths + tree_base, tree_mask, tree_base)
+        else:
+            mask = torch.cat([torch.ones(hi - lo, tree_base, dtype=torch.bool, device=dev), tree_mask], dim=1)
+            logits = model.forward(tokens.clamp_min(0), depths + tree_base, cache, mask=mask)
         cache.advance(hi - lo)
         return logits
 
