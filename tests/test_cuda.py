@@ -181,7 +181,7 @@ def test_self_draft_greedy_equals_plain_on_cuda(ckpt, tmp_path, monkeypatch, dra
 # ---- the speculation step on the device (issue 17) -------------------------------------------
 
 def _tiny_pair_on(device, root):
-    from test_speculative_distribution import load, tiny
+    from test_speculative_distribution import tiny
     from tiny_models import perturbed_copy
     target = tiny(root / "target", 1)
     draft = perturbed_copy(target, root / "draft", 0.6, 5, sharpen=2.0)

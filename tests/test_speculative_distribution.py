@@ -96,10 +96,42 @@ def load(path):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     target = tiny(root / "target", 1)
-    return load(target), load(perturbed_copy(target, root / "draft", 0.6, 5, sharpen=2.0))
+    return target, perturbed_copy(target, root / "draft", 0.6, 5, sharpen=2.0)
+
+
+@pytest.fixture(scope="module")
+def models(paths):
+    return load(paths[0]), load(paths[1])
+
+
+WORKERS = 2  # samples drawn in two processes (each sample is independent; the machine has 2 cores)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn")) as ex:
+        yield ex
+
+
+def _worker(paths, kind: str, n: int, seed: int, broken: bool):
+    """One process's share of the samples (the decoder's verifier broken as CONTROLS says when asked)."""
+    if broken:
+        decoder.verify_stochastic = CONTROLS[kind]
+    return sample_two_tokens(load(paths[0]), load(paths[1]), SPECS[kind], n, seed)
+
+
+def sample_in_parallel(pool, paths, kind: str, n: int, seed: int, broken: bool = False):
+    """sample_two_tokens's n samples drawn as WORKERS independent streams (seeds (seed, i)): the same
+    i.i.d. samples, in half the time; deterministic for a given WORKERS."""
+    shares = [n // WORKERS + (i < n % WORKERS) for i in range(WORKERS)]
+    jobs = [pool.submit(_worker, paths, kind, m, seed * 1000 + i, broken) for i, m in enumerate(shares)]
+    parts = [j.result() for j in jobs]
+    return sum(c for c, _ in parts), np.concatenate([a for _, a in parts])
 
 
 def probs_after(model, ids):
@@ -174,9 +206,10 @@ def test_sample_sizes_give_the_power_written_down():
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_first_two_tokens_after_a_state_have_the_target_distribution(models, kind):
-    target, draft = models
-    counts, accepted = sample_two_tokens(target, draft, SPECS[kind], SAMPLES[kind], seed=17)
+def test_first_two_tokens_after_a_state_have_the_target_distribution(models, paths, pool, kind):
+    target, _ = models
+    counts, accepted = sample_in_parallel(pool, paths, kind, SAMPLES[kind], seed=17)
+    assert counts.sum() == SAMPLES[kind]
     depth = SPECS[kind].depth
     partial = ((accepted >= 1) & (accepted <= depth - 2)).mean()
     assert partial >= 1 / 3, f"{kind}: only {partial:.2f} of steps accepted part of a path"
@@ -185,10 +218,9 @@ def test_first_two_tokens_after_a_state_have_the_target_distribution(models, kin
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_a_broken_verifier_fails_the_same_test(models, kind, monkeypatch):
+def test_a_broken_verifier_fails_the_same_test(models, paths, pool, kind):
     """Negative control: the decoder with its verifier broken as CONTROLS says must be rejected."""
-    target, draft = models
-    monkeypatch.setattr(decoder, "verify_stochastic", CONTROLS[kind])
-    counts, _ = sample_two_tokens(target, draft, SPECS[kind], SAMPLES[kind], seed=17)
+    target, _ = models
+    counts, _ = sample_in_parallel(pool, paths, kind, SAMPLES[kind], seed=17, broken=True)
     p = p_values(counts, exact_joint(target, PROMPT + [ROOT]))
     assert min(p.values()) < ALPHA / 2, p
