@@ -262,8 +262,9 @@ class SpeculativeDecoder:
             self.draft_levels = seq.levels
         self.shape = StaticShape(self.static_parents, self.device) if self.static_parents is not None else None
         # draws on the draft's device come from a generator there, seeded from the generation's
-        self.device_g = generator if self.device.type == "cpu" else torch.Generator(self.device).manual_seed(
-            int(torch.randint(0, 2**62, (1,), generator=generator)))
+        self.device_g = generator
+        if draft is not None and self.device.type != "cpu":
+            self.device_g = torch.Generator(self.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
 
     def prefill(self, ids: list[int], chunk: int) -> torch.Tensor:
         """The prompt into both caches (in chunks), after the longest prefix they already hold;
