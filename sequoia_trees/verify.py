@@ -84,7 +84,8 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
 
 def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                             generator: torch.Generator | None = None, without_replacement: bool = True,
-                            extra_draws: dict[int, list[int]] | None = None) -> VerifyResult:
+                            extra_draws: dict[int, list[int]] | None = None,
+                            bonus_generator: torch.Generator | None = None, want_tokens: bool = False):
     """`verify_stochastic`'s rule, with its arithmetic done for every node at once on the device
     that holds the probabilities, so that only small tables cross to the host.
 
@@ -97,12 +98,21 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
     `verify_stochastic` does, and draws the bonus from the one residual (or target) row it ends at.
     Host traffic: the acceptance table [nodes, ranks] and the candidate tokens once, one row at
     the end. tokens may hold -1 for a child that was never drawn (its parent's draft ran out of
-    support): it is never accepted and changes nothing, as if absent."""
+    support): it is never accepted and changes nothing, as if absent.
+
+    bonus_generator (a generator on the probabilities' device): the bonus token each node would
+    give (from its residual, or from the target at a leaf) is drawn ahead for every node, on the
+    device, and comes with the table, so that a step needs one transfer in all; only the one at
+    the node the walk ends at is used (each drawn from its own distribution, independently of the
+    tests: the emitted tokens keep their distribution). Without it, the walk draws the bonus from
+    `generator` after fetching that one row, as `verify_stochastic` does (seed for seed equal).
+    want_tokens: also return the tree's tokens as a host list, from the same transfer."""
     kids = _children(parents)
     extra = extra_draws or {}
     nodes = sorted(set(kids) | {n for n, t in extra.items() if t})
     if not nodes:
-        return VerifyResult((), sample(target_probs[0].float().cpu(), generator), ())
+        result = VerifyResult((), sample(target_probs[0].float().cpu(), generator), ())
+        return (result, torch.as_tensor(tokens).cpu().tolist()) if want_tokens else result
     dev = target_probs.device
     width = max(len(kids.get(n, [])) + len(extra.get(n, [])) for n in nodes)
     child_ix = torch.full((len(nodes), width), -1, dtype=torch.long)  # tree node of each candidate
@@ -138,14 +148,36 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
             alive = alive & ~(valid & (qsum[:, 0] <= 0))  # no draft mass left: later candidates were never drawn
             q = torch.where(valid[:, None] & (qsum > 0), q / qsum.clamp_min(1e-300), q)
     cand = torch.where(tested, cand, torch.full_like(cand, -1))  # candidates the walk may test
-    host = torch.stack([accept, cand.double(), child_ix.double()]).cpu()  # the one table transfer
-    accept_h, cand_h, child_h = host[0].tolist(), host[1].long().tolist(), host[2].long().tolist()
+    parts = [accept.flatten(), cand.double().flatten(), child_ix.double().flatten()]
+    if want_tokens:
+        parts.append(tokens.double())
+    if bonus_generator is not None:  # every node's bonus, drawn ahead: residual rows, then the target's
+        parts.append(torch.multinomial(residual.float(), 1, generator=bonus_generator)[:, 0].double())
+        parts.append(torch.multinomial(target_probs.float(), 1, generator=bonus_generator)[:, 0].double())
+    host = torch.cat(parts).cpu()  # the one transfer
+    size = len(nodes) * width
+    accept_h = host[:size].view(len(nodes), width).tolist()
+    cand_h = host[size:2 * size].long().view(len(nodes), width).tolist()
+    child_h = host[2 * size:3 * size].long().view(len(nodes), width).tolist()
+    at = 3 * size
+    host_tokens = None
+    if want_tokens:
+        host_tokens = host[at:at + tokens.shape[0]].long().tolist()
+        at += tokens.shape[0]
+    if bonus_generator is not None:
+        bonus_residual = host[at:at + len(nodes)].long().tolist()
+        bonus_target = host[at + len(nodes):].long().tolist()
+
+    def done(result: VerifyResult):
+        return (result, host_tokens) if want_tokens else result
+
     row_of = {n: i for i, n in enumerate(nodes)}
     node, accepted, ranks = 0, [], []
     while True:
         row = row_of.get(node)
         if row is None:  # a leaf: the bonus comes from the target
-            return VerifyResult(tuple(accepted), sample(target_probs[node].float().cpu(), generator), tuple(ranks))
+            bonus = bonus_target[node] if bonus_generator is not None else sample(target_probs[node].float().cpu(), generator)
+            return done(VerifyResult(tuple(accepted), bonus, tuple(ranks)))
         step = None
         for rank in range(width):
             if cand_h[row][rank] < 0:
@@ -153,11 +185,12 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
             u = float(torch.rand((), generator=generator, dtype=torch.float64))
             if u < accept_h[row][rank]:
                 if child_h[row][rank] < 0:  # an extra draw outside the tree: it is the bonus
-                    return VerifyResult(tuple(accepted), cand_h[row][rank], tuple(ranks))
+                    return done(VerifyResult(tuple(accepted), cand_h[row][rank], tuple(ranks)))
                 step = (child_h[row][rank], rank)
                 break
         if step is None:
-            return VerifyResult(tuple(accepted), sample(residual[row].float().cpu(), generator), tuple(ranks))
+            bonus = bonus_residual[row] if bonus_generator is not None else sample(residual[row].float().cpu(), generator)
+            return done(VerifyResult(tuple(accepted), bonus, tuple(ranks)))
         node = step[0]
         accepted.append(step[0])
         ranks.append(step[1])

@@ -77,7 +77,7 @@ def best_first_tree(pair: ToyPair, prefix: tuple[int, ...], g: torch.Generator, 
 
 
 def speculate(pair: ToyPair, prefix: tuple[int, ...], shape, kind: str, g: torch.Generator,
-              wrong: bool = False) -> list[int]:
+              wrong: bool = False, table_bonus: torch.Generator | None = None) -> list[int]:
     """One step: draw the tree's tokens from the draft, verify against the target."""
     if kind == "specexec":
         parents, tokens, P, Q, extra = best_first_tree(pair, prefix, g)
@@ -104,6 +104,10 @@ def speculate(pair: ToyPair, prefix: tuple[int, ...], shape, kind: str, g: torch
             tokens[child], prefixes[child] = -1, prefixes[node] + (-1,)
     if wrong:  # a broken verifier: never updates the residual (always tests against P itself)
         result = _wrong_verify(shape.parents, tokens, P, Q, g)
+    elif table_bonus is not None:  # the GPU's form: the table, with every node's bonus drawn ahead
+        from sequoia_trees.verify import verify_stochastic_table
+        result = verify_stochastic_table(shape.parents, tokens, P, Q, g, without_replacement=(kind != "specinfer"),
+                                         bonus_generator=table_bonus)
     else:
         result = verify_stochastic(shape.parents, tokens, P, Q, g, without_replacement=(kind != "specinfer"))
     return [int(tokens[i]) for i in result.accepted] + [result.bonus_token]
@@ -127,10 +131,10 @@ def _wrong_verify(parents, tokens, P, Q, g):
         node = nxt
 
 
-def first_two(pair, shape, kind, g, wrong=False):
+def first_two(pair, shape, kind, g, wrong=False, table_bonus=None):
     out: list[int] = []
     while len(out) < 2:
-        out += speculate(pair, tuple(out), shape, kind, g, wrong)
+        out += speculate(pair, tuple(out), shape, kind, g, wrong, table_bonus)
     return out[0] * V + out[1]
 
 
@@ -167,6 +171,16 @@ def test_first_two_tokens_have_the_target_distribution(kind, temperature, top_p)
     pair = ToyPair(SamplingParams(temperature, top_p), seed={"sequoia": 1, "specinfer": 2, "chain": 3, "specexec": 4}[kind])
     g = torch.Generator().manual_seed(1234)
     samples = np.array([first_two(pair, SHAPES[kind], kind, g) for _ in range(SAMPLES)])
+    assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
+
+
+def test_the_table_verifier_with_bonuses_drawn_ahead_has_the_target_distribution():
+    """The GPU's one-transfer form (verify_stochastic_table with bonus_generator): every node's
+    bonus drawn ahead on the device from its own residual, only the last node's used. Same test,
+    threshold and power as above, on the sequoia fixture at T=1."""
+    pair = ToyPair(SamplingParams(1.0, 1.0), seed=1)
+    g, bonus = torch.Generator().manual_seed(1234), torch.Generator().manual_seed(4321)
+    samples = np.array([first_two(pair, SHAPES["sequoia"], "sequoia", g, table_bonus=bonus) for _ in range(SAMPLES)])
     assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
 
 

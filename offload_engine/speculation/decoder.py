@@ -339,10 +339,11 @@ class SpeculativeDecoder:
         if draft_probs is None:  # a one-node tree: plain sampling
             return VerifyResult((), sample(target_probs[0].cpu(), self.g), ()), tokens.cpu().tolist()
         wr = self.spec.kind != "specinfer"
-        if self.verify_mode == "table":
-            result = verify_stochastic_table(parents, tokens, target_probs, draft_probs.to(dev), self.g,
-                                             without_replacement=wr, extra_draws=self._extra)
-            return result, tokens.cpu().tolist()
+        if self.verify_mode == "table":  # one transfer per step: the table, the tokens, every node's bonus
+            return verify_stochastic_table(parents, tokens, target_probs, draft_probs.to(dev), self.g,
+                                           without_replacement=wr, extra_draws=self._extra,
+                                           bonus_generator=self.device_g if dev.type != "cpu" else None,
+                                           want_tokens=True)
         host_tokens = tokens.cpu()
         result = verify_stochastic(parents, host_tokens, target_probs.cpu(), draft_probs.cpu(), self.g,
                                    without_replacement=wr, extra_draws=self._extra)
