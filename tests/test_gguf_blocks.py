@@ -1,0 +1,71 @@
+"""GGUF block formats dequantized as torch (formats/gguf_blocks.py) against the `gguf` package's
+reference dequantization, bitwise, for every supported type. Test tensors are written by the
+gguf package's quantizers where it has them; for the K-quants, random blocks whose half-precision
+scale fields are finite are valid blocks."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from offload_engine.formats import gguf_blocks
+
+QUANTIZED = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+K_QUANTS = {"Q4_K": [(0, 2), (2, 4)], "Q5_K": [(0, 2), (2, 4)], "Q6_K": [(208, 210)]}  # f16 fields per block
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def _check(raw: np.ndarray, qtype: str, shape):
+    want = quants.dequantize(raw, T[qtype]).reshape(shape)
+    got = gguf_blocks.dequantize(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy()),
+                                 qtype, shape)
+    assert got.dtype == torch.float32 and tuple(got.shape) == tuple(shape)
+    np.testing.assert_array_equal(_bits(got.numpy()), _bits(want))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+@pytest.mark.parametrize("shape", [(3, 64), (5, 256), (1, 32)])
+def test_equals_the_gguf_reference_for_quantized_weights(qtype, shape):
+    rng = np.random.default_rng(hash((qtype, shape)) % 2**32)
+    w = (rng.standard_normal(shape) * rng.uniform(0.01, 3, (shape[0], 1))).astype(np.float32)
+    w[0, :4] = [0.0, -0.0, 1e-8, -7.5]
+    raw = quants.quantize(w, T[qtype])
+    assert raw.nbytes == gguf_blocks.nbytes(qtype, w.size)
+    _check(raw, qtype, shape)
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_equals_the_gguf_reference_for_random_k_quant_blocks(qtype, rows):
+    block, size = gguf_blocks.BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(rows * 7 + len(qtype))
+    n_blocks = rows * 2
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    for lo, hi in K_QUANTS[qtype]:  # finite scales: random halves in a sane range
+        raw[:, lo:hi] = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    _check(raw.reshape(rows, -1), qtype, (rows, 2 * block))
+
+
+def test_f32_is_its_own_bytes():
+    w = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    _check(w.view(np.uint8), "F32", (2, 8))
+
+
+def test_sizes_match_the_gguf_package():
+    from gguf.constants import GGML_QUANT_SIZES
+    for name, sizes in gguf_blocks.BLOCK_SIZES.items():
+        assert GGML_QUANT_SIZES[T[name]] == sizes, name
+    assert gguf_blocks.bits_per_weight("Q4_0") == 4.5 and gguf_blocks.bits_per_weight("Q6_K") == 6.5625
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(ValueError, match="IQ2_XS is not supported.*Q4_K"):
+        gguf_blocks.dequantize(torch.zeros(10, dtype=torch.uint8), "IQ2_XS", (1, 256))
+    with pytest.raises(ValueError, match="needs 36 bytes, got 35"):
+        gguf_blocks.dequantize(torch.zeros(35, dtype=torch.uint8), "Q4_0", (2, 32))
+    with pytest.raises(ValueError, match="not a whole number of Q4_K blocks"):
+        gguf_blocks.nbytes("Q4_K", 300)
