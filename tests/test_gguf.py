@@ -307,8 +307,9 @@ def quant_bound(w: torch.Tensor, qtype: Q) -> torch.Tensor:
 # Logit tolerance (relative L2 error of the logits over 16 positions, against the unquantised
 # model). Measured for this seed: 0.032 (Q8_0), 0.43 (Q4_0), 0.38 (Q4_1) -- a random 2-layer net
 # with O(1) activations amplifies 4-bit weight noise (about 8% RMS per weight); the bounds leave a
-# 2-3x margin. The exact checks against `quant_round_trip` below are the sharp ones.
-LOGIT_TOL = {Q.Q8_0: 0.1, Q.Q4_0: 1.0, Q.Q4_1: 1.0}
+# 2-3x margin; Q5_0 and Q5_1 (smaller error) share the 4-bit bound. The exact checks against
+# `quant_round_trip` below are the sharp ones.
+LOGIT_TOL = {Q.Q8_0: 0.1, Q.Q4_0: 1.0, Q.Q4_1: 1.0, Q.Q5_0: 1.0, Q.Q5_1: 1.0}
 
 
 def quant_round_trip(w: torch.Tensor, qtype: Q) -> torch.Tensor:
@@ -318,7 +319,7 @@ def quant_round_trip(w: torch.Tensor, qtype: Q) -> torch.Tensor:
     return torch.from_numpy(np.array(gguf.quants.dequantize(q, qtype), dtype=np.float32))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_quantised_round_trip_within_bounds(tmp_path, gpt2_meta, qtype):
     model = tiny_llama(len(gpt2_meta["tokens"]), seed=1)
     src = write_gguf(tmp_path / "m.gguf", model, gpt2_meta, qtype=qtype)
@@ -454,8 +455,8 @@ def test_non_gguf_files_refused(tmp_path):
 
 def test_unsupported_tensor_type_refused(tmp_path, gpt2_meta):
     model = tiny_llama(len(gpt2_meta["tokens"]))
-    src = write_gguf(tmp_path / "m.gguf", model, gpt2_meta, type_override={"blk.1.ffn_up.weight": Q.Q5_0})
-    with pytest.raises(UserError, match=r"'blk\.1\.ffn_up\.weight' has type Q5_0"):
+    src = write_gguf(tmp_path / "m.gguf", model, gpt2_meta, type_override={"blk.1.ffn_up.weight": Q.MXFP4})
+    with pytest.raises(UserError, match=r"'blk\.1\.ffn_up\.weight' has type MXFP4.*supported: F32, F16, BF16, Q8_0"):
         convert_gguf(src, tmp_path / "out", progress=False)
     assert leftovers(tmp_path, "out") == []
 

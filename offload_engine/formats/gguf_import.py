@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from . import gguf_blocks
 from .config import DTYPE_NAMES, parse_dtype
 from .gguf_tokenizer import KNOWN_PRE_TOKENIZERS, build_tokenizer  # noqa: F401 (re-exported)
 
@@ -40,7 +41,7 @@ from .gguf_tokenizer import KNOWN_PRE_TOKENIZERS, build_tokenizer  # noqa: F401 
 # conversions keyed on it are then redone.
 FORMAT_VERSION = 1
 
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TENSOR_TYPES = gguf_blocks.SUPPORTED  # F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
 
 
 class OutputExistsError(UserError):
@@ -333,15 +334,12 @@ def _plan_model(path: Path, reader, meta: dict) -> tuple[dict, list[_Entry]]:
 def _materialize(path: Path, e: _Entry, dtype: torch.dtype) -> torch.Tensor:
     if e.source is None:
         return torch.zeros(e.shape, dtype=dtype)
-    import gguf
-
     t = e.source
-    arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    if tuple(arr.shape) != e.shape:
-        raise UserError(f"{path}: tensor {t.name!r} dequantised to shape {list(arr.shape)}, expected {list(e.shape)}")
-    if not arr.flags.writeable:  # F32/F16 come back as views of the read-only memory map
-        arr = arr.copy()
-    w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy())  # the file's bytes
+    try:
+        w = gguf_blocks.dequantize(raw, t.tensor_type.name, e.shape)  # bitwise gguf.quants.dequantize
+    except ValueError as err:
+        raise UserError(f"{path}: tensor {t.name!r}: {err}") from None
     if e.unpermute_heads:
         w = unpermute_rows(w, e.unpermute_heads)
     return w.to(dtype).contiguous()
