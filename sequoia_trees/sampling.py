@@ -79,3 +79,12 @@ def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Gen
 def sample_with_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """k independent draws from probs [V] (SpecInfer's children; duplicates possible)."""
     return torch.multinomial(probs, k, replacement=True, generator=generator)
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw from every row of probs [..., V], on probs' device, with no host synchronization
+    (unlike torch.multinomial): the exponential race, argmax p_i / E_i with E_i ~ Exp(1) i.i.d.,
+    picks i with probability p_i / sum(p). E is kept away from 0 so that a zero-probability token
+    can never win (0 / 0)."""
+    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator).clamp_min_(1e-30)
+    return (probs.float() / race).argmax(-1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from .sampling import sample, sample_rows
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,16 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
         ch, ex = kids.get(n, []), extra.get(n, [])
         child_ix[row, :len(ch)] = torch.tensor(ch, dtype=torch.long)
         extra_tok[row, len(ch):len(ch) + len(ex)] = torch.tensor(ex, dtype=torch.long)
-    child_ix, extra_tok = child_ix.to(dev), extra_tok.to(dev)
+    index = torch.cat([child_ix.flatten(), extra_tok.flatten(), torch.tensor(nodes, dtype=torch.long)])
+    if dev.type == "cuda":  # one pinned, asynchronous copy (a pageable one would wait for the stream)
+        index = index.pin_memory().to(dev, non_blocking=True)
+    else:
+        index = index.to(dev)
+    size = len(nodes) * width
+    child_ix, extra_tok = index[:size].view(len(nodes), width), index[size:2 * size].view(len(nodes), width)
+    node_ix = index[2 * size:]
     tokens = torch.as_tensor(tokens).to(dev)
     cand = torch.where(child_ix >= 0, tokens[child_ix.clamp_min(0)], extra_tok)  # [N, K] token ids, -1 = none
-    node_ix = torch.tensor(nodes, dtype=torch.long).to(dev)
     residual = target_probs[node_ix].double()
     q = draft_probs[node_ix].double()
     alive = torch.ones(len(nodes), dtype=torch.bool, device=dev)
@@ -152,8 +158,8 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
     if want_tokens:
         parts.append(tokens.double())
     if bonus_generator is not None:  # every node's bonus, drawn ahead: residual rows, then the target's
-        parts.append(torch.multinomial(residual.float(), 1, generator=bonus_generator)[:, 0].double())
-        parts.append(torch.multinomial(target_probs.float(), 1, generator=bonus_generator)[:, 0].double())
+        parts.append(sample_rows(residual, bonus_generator).double())
+        parts.append(sample_rows(target_probs, bonus_generator).double())
     host = torch.cat(parts).cpu()  # the one transfer
     size = len(nodes) * width
     accept_h = host[:size].view(len(nodes), width).tolist()

@@ -7,7 +7,7 @@ import torch
 
 from offload_engine.formats.checkpoint import Checkpoint
 from offload_engine.formats.config import load_config
-from offload_engine.runtime.draft_graphs import StaticLevels, bucket_for
+from offload_engine.runtime.draft_graphs import StaticLevels, bucket_for, keys_bucket
 from offload_engine.runtime.model import Transformer
 from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
 from sequoia_trees.acceptance import AcceptanceVector
@@ -27,15 +27,18 @@ def models(tmp_path_factory):
 def test_buckets():
     assert [bucket_for(w) for w in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
     assert bucket_for(257) is None
+    assert [keys_bucket(n, 9216) for n in (1, 256, 257, 700, 5000, 9000)] == [256, 256, 512, 1024, 8192, 9216]
+    assert keys_bucket(30, 64) == 64
 
 
+@pytest.mark.parametrize("capacity", [64, 700])  # the pass attends over all 64 slots; over 256 of 700
 @pytest.mark.parametrize("width", [1, 3, 5, 17])
-def test_a_padded_level_equals_the_plain_pass(models, width):
+def test_a_padded_level_equals_the_plain_pass(models, width, capacity):
     _, draft = models
     g = torch.Generator().manual_seed(width)
     V = draft.cfg.vocab_size
     prefix = torch.randint(0, V, (11,), generator=g)
-    caches = [draft.new_cache(64) for _ in range(2)]
+    caches = [draft.new_cache(capacity) for _ in range(2)]
     for c in caches:
         draft.forward(prefix, torch.arange(11), c)
         c.advance(11)
@@ -73,7 +76,7 @@ KINDS = {"sequoia": TreeSpec("sequoia", 24, 5, acceptance=AcceptanceVector((0.5,
 def _generate(target, draft, spec, modes, params, n=30, seed=0):
     dec = SpeculativeDecoder(target, draft, spec, params, torch.Generator().manual_seed(seed), 128,
                              verify=modes[0], draft_graphs=modes[1])
-    ids = [5, 17, 3, 9, 250, 11]
+    ids = [t % target.cfg.vocab_size for t in (5, 17, 3, 9, 250, 11)]  # (test_cuda's pair has 8 tokens)
     out = [dec.first_token(dec.prefill(ids, 64))]
     while len(out) < n:
         out += dec.step(out[-1]).tokens

@@ -374,3 +374,14 @@ def test_the_table_verifier_skips_a_child_that_was_never_drawn():
         r1 = verify_stochastic_table(parents, marked, P, Q, torch.Generator().manual_seed(seed), True, None)
         r2 = verify_stochastic(parents[:-1], tokens[:-1], P[:-1], Q[:-1], torch.Generator().manual_seed(seed), True)
         assert r1 == r2
+
+
+def test_sample_rows_draws_each_row_from_its_distribution():
+    """The exponential race (the GPU's synchronization-free draw): SAMPLES rows at once against
+    their distribution, chi-square p > 1e-4; a zero-probability token never comes out."""
+    from sequoia_trees.sampling import sample_rows
+    probs = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05, 0.0, 0.0])
+    got = sample_rows(probs.expand(SAMPLES, -1), torch.Generator().manual_seed(6)).numpy()
+    counts = np.bincount(got, minlength=len(probs))
+    assert counts[6:].sum() == 0
+    assert stats.chisquare(counts[:6], probs[:6].double().numpy() * SAMPLES).pvalue > ALPHA

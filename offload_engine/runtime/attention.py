@@ -15,7 +15,7 @@ fell back to its math kernel with a K/V repeat per call. The backends:
               else one copy), then SDPA restricted to the memory-efficient kernel (math as the
               fallback where it is not built): no cuDNN, no per-shape plan, any mask.
   "matmul"    explicit grouped matmuls: each K/V head's queries stacked as one [G*S, D] matrix,
-              scores in fp32, no K/V copy. Few kernels, for short queries (decode, narrow draft
+              softmax in fp32 (the scores' matmul in the compute dtype), no K/V copy. Few kernels, for short queries (decode, narrow draft
               levels) where launch count dominates.
   "auto"      "sdpa" on the CPU; "efficient" on a GPU.
 

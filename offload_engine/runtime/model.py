@@ -92,8 +92,9 @@ def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, laye
     q, k = rope.apply(q), rope.apply(k)  # q: [B, H, S, D]; k, v: [B, KVH, S, D]
     if slots is None:
         keys, values = cache.write(layer, k, v)  # [B, KVH, T, D], T = cached + S
-    else:
-        keys, values = cache.write_at(layer, k, v, slots)  # T = the cache's capacity
+    else:  # T = the mask's width: the first T slots of the static cache (a fixed shape per graph)
+        keys, values = cache.write_at(layer, k, v, slots)
+        keys, values = keys[:, :, :mask.shape[-1]], values[:, :, :mask.shape[-1]]
     mask = mask[None, None] if mask.dim() == 2 else mask[:, None]  # [S, T] shared, or [B, S, T] per row
     out = attend(q, keys, values, mask, backend)
     out = out.transpose(1, 2).reshape(B, S, cfg.num_heads * cfg.head_dim)  # [B, S, H*D]
@@ -167,9 +168,9 @@ class Transformer:
         mask: [S, cache.length + S] bool (True = may attend); causal when None.
         The new tokens' K/V are written after cache.length; the caller keeps them with
         cache.advance / cache.commit. logits_rows selects the rows that need logits.
-        slots: [S] device tensor of the cache slots to write instead (the mask then covers the
-        cache's whole capacity, [S, capacity]): a pass whose shapes and pointers never change, as a
-        CUDA graph needs (runtime/draft_graphs.py).
+        slots: [S] device tensor of the cache slots to write instead (the mask [S, T] then covers
+        the cache's first T slots, T fixed per graph): a pass whose shapes and pointers never
+        change, as a CUDA graph needs (runtime/draft_graphs.py).
         """
         S = input_ids.shape[0]
         if mask is None:

@@ -257,7 +257,8 @@ class SpeculativeDecoder:
         self.draft_levels = None
         if draft is not None and draft_graphs != "off":
             seq = self.seqs[1]
-            if seq.levels is None or (draft_graphs == "eager" and seq.levels.capture):
+            if (seq.levels is None or seq.levels.capture != (draft_graphs == "on")
+                    or seq.levels.attention != draft.attention):
                 seq.levels = StaticLevels(draft, seq.cache, capture=draft_graphs == "on")
             self.draft_levels = seq.levels
         self.shape = StaticShape(self.static_parents, self.device) if self.static_parents is not None else None
@@ -299,7 +300,8 @@ class SpeculativeDecoder:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
         if self.draft is None:
             parents, tokens, draft_probs = (-1,), torch.tensor([root], device=self.device), None
-            mask, depths = torch.ones(1, 1, dtype=torch.bool, device=self.device), torch.zeros(1, dtype=torch.long)
+            mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+            depths = torch.zeros(1, dtype=torch.long, device=self.device)
         elif self.shape is not None:
             parents, mask, depths = self.shape.parents, self.shape.mask, self.shape.depths
             tokens, draft_probs = self._grow_static(root)
