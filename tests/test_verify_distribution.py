@@ -167,20 +167,41 @@ SHAPES = {
 @pytest.mark.parametrize("kind,temperature,top_p", [("sequoia", 0.6, 0.9), ("sequoia", 1.0, 1.0),
                                                     ("specinfer", 1.0, 0.9), ("chain", 0.6, 1.0),
                                                     ("specexec", 0.6, 0.9)])
-def test_first_two_tokens_have_the_target_distribution(kind, temperature, top_p):
+def test_first_two_tokens_have_the_target_distribution(kind, temperature, top_p, pool):
     pair = ToyPair(SamplingParams(temperature, top_p), seed={"sequoia": 1, "specinfer": 2, "chain": 3, "specexec": 4}[kind])
-    g = torch.Generator().manual_seed(1234)
-    samples = np.array([first_two(pair, SHAPES[kind], kind, g) for _ in range(SAMPLES)])
+    jobs = [pool.submit(_first_two_stream, pair.params, pair.seed, kind, SAMPLES // 2 + (i < SAMPLES % 2), 1234 + i)
+            for i in range(2)]
+    samples = np.concatenate([j.result() for j in jobs])
+    assert len(samples) == SAMPLES
     assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
 
 
-def test_the_table_verifier_with_bonuses_drawn_ahead_has_the_target_distribution():
+@pytest.fixture(scope="module")
+def pool():
+    """Two processes (the machine's two cores): the samples of a test drawn as two independent
+    seeded streams, the same i.i.d. samples in half the time."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as ex:
+        yield ex
+
+
+def _first_two_stream(params: SamplingParams, pair_seed: int, kind: str, n: int, seed: int,
+                      table_bonus: bool = False) -> np.ndarray:
+    torch.set_num_threads(1)
+    pair, g = ToyPair(params, seed=pair_seed), torch.Generator().manual_seed(seed)
+    bonus = torch.Generator().manual_seed(seed + 4321) if table_bonus else None
+    return np.array([first_two(pair, SHAPES[kind], kind, g, table_bonus=bonus) for _ in range(n)])
+
+
+def test_the_table_verifier_with_bonuses_drawn_ahead_has_the_target_distribution(pool):
     """The GPU's one-transfer form (verify_stochastic_table with bonus_generator): every node's
     bonus drawn ahead on the device from its own residual, only the last node's used. Same test,
     threshold and power as above, on the sequoia fixture at T=1."""
     pair = ToyPair(SamplingParams(1.0, 1.0), seed=1)
-    g, bonus = torch.Generator().manual_seed(1234), torch.Generator().manual_seed(4321)
-    samples = np.array([first_two(pair, SHAPES["sequoia"], "sequoia", g, table_bonus=bonus) for _ in range(SAMPLES)])
+    jobs = [pool.submit(_first_two_stream, pair.params, pair.seed, "sequoia", SAMPLES // 2, 1234 + i, True)
+            for i in range(2)]
+    samples = np.concatenate([j.result() for j in jobs])
     assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
 
 
