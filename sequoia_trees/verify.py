@@ -161,7 +161,6 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
         parts.append(sample_rows(residual, bonus_generator).double())
         parts.append(sample_rows(target_probs, bonus_generator).double())
     host = torch.cat(parts).cpu()  # the one transfer
-    size = len(nodes) * width
     accept_h = host[:size].view(len(nodes), width).tolist()
     cand_h = host[size:2 * size].long().view(len(nodes), width).tolist()
     child_h = host[2 * size:3 * size].long().view(len(nodes), width).tolist()

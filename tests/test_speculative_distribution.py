@@ -42,6 +42,7 @@ from offload_engine.speculation.decoder import TREE_KINDS, SpeculativeDecoder, T
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
 from sequoia_trees.verify import verify_stochastic
+from streams import shares
 from tiny_models import perturbed_copy
 
 V = 8
@@ -107,17 +108,6 @@ def models(paths):
     return load(paths[0]), load(paths[1])
 
 
-WORKERS = 2  # samples drawn in two processes (each sample is independent; the machine has 2 cores)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn")) as ex:
-        yield ex
-
-
 def _worker(paths, kind: str, n: int, seed: int, broken: bool):
     """One process's share of the samples (the decoder's verifier broken as CONTROLS says when asked)."""
     if broken:
@@ -126,10 +116,8 @@ def _worker(paths, kind: str, n: int, seed: int, broken: bool):
 
 
 def sample_in_parallel(pool, paths, kind: str, n: int, seed: int, broken: bool = False):
-    """sample_two_tokens's n samples drawn as WORKERS independent streams (seeds (seed, i)): the same
-    i.i.d. samples, in half the time; deterministic for a given WORKERS."""
-    shares = [n // WORKERS + (i < n % WORKERS) for i in range(WORKERS)]
-    jobs = [pool.submit(_worker, paths, kind, m, seed * 1000 + i, broken) for i, m in enumerate(shares)]
+    """sample_two_tokens's n samples drawn as independent streams (seeds (seed, i); tests/streams.py)."""
+    jobs = [pool.submit(_worker, paths, kind, m, seed * 1000 + i, broken) for i, m in enumerate(shares(n))]
     parts = [j.result() for j in jobs]
     return sum(c for c, _ in parts), np.concatenate([a for _, a in parts])
 

@@ -24,6 +24,7 @@ from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import optimal_tree
 from sequoia_trees.sampling import SamplingParams, logits_to_probs, sample_with_replacement, sample_without_replacement
 from sequoia_trees.verify import verify_stochastic
+from streams import shares
 
 V = 8
 ALPHA = 1e-4
@@ -169,21 +170,10 @@ SHAPES = {
                                                     ("specexec", 0.6, 0.9)])
 def test_first_two_tokens_have_the_target_distribution(kind, temperature, top_p, pool):
     pair = ToyPair(SamplingParams(temperature, top_p), seed={"sequoia": 1, "specinfer": 2, "chain": 3, "specexec": 4}[kind])
-    jobs = [pool.submit(_first_two_stream, pair.params, pair.seed, kind, SAMPLES // 2 + (i < SAMPLES % 2), 1234 + i)
-            for i in range(2)]
+    jobs = [pool.submit(_first_two_stream, pair.params, pair.seed, kind, m, 1234 + i) for i, m in enumerate(shares(SAMPLES))]
     samples = np.concatenate([j.result() for j in jobs])
     assert len(samples) == SAMPLES
     assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
-
-
-@pytest.fixture(scope="module")
-def pool():
-    """Two processes (the machine's two cores): the samples of a test drawn as two independent
-    seeded streams, the same i.i.d. samples in half the time."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as ex:
-        yield ex
 
 
 def _first_two_stream(params: SamplingParams, pair_seed: int, kind: str, n: int, seed: int,
@@ -199,8 +189,8 @@ def test_the_table_verifier_with_bonuses_drawn_ahead_has_the_target_distribution
     bonus drawn ahead on the device from its own residual, only the last node's used. Same test,
     threshold and power as above, on the sequoia fixture at T=1."""
     pair = ToyPair(SamplingParams(1.0, 1.0), seed=1)
-    jobs = [pool.submit(_first_two_stream, pair.params, pair.seed, "sequoia", SAMPLES // 2, 1234 + i, True)
-            for i in range(2)]
+    jobs = [pool.submit(_first_two_stream, pair.params, pair.seed, "sequoia", m, 1234 + i, True)
+            for i, m in enumerate(shares(SAMPLES))]
     samples = np.concatenate([j.result() for j in jobs])
     assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
 

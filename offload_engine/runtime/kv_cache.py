@@ -40,16 +40,16 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
-    def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                 visible: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' K/V at `slots` (a device tensor of distinct slot indices, so that a
-        captured CUDA graph replays with new values); return K/V over the whole capacity (the
-        caller's mask hides the slots it must not see).
+        captured CUDA graph replays with new values); return K/V over the first `visible` slots
+        (a fixed window; the caller's mask hides the slots in it that it must not see).
 
-        k, v: [B, KVH, S, D] -> returns [B, KVH, capacity, D] views."""
+        k, v: [B, KVH, S, D] -> returns [B, KVH, visible, D] views."""
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
+        return self.k[layer, :, :, :visible], self.v[layer, :, :, :visible]
 
     def advance(self, tokens: int) -> None:
         """Keep the K/V of the `tokens` slots written by the last forward pass."""

@@ -84,7 +84,7 @@ def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, laye
               mask: torch.Tensor, cfg: ModelConfig, backend: str = "sdpa",
               slots: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention of the new tokens over the cached prefix plus themselves (or, with
-    `slots`, over the whole static cache, the new K/V written at those slots)."""
+    `slots`, over the static cache's first mask-width slots, the new K/V written at those slots)."""
     B, S, _ = x.shape
     q = _linear(x, w, "self_attn.q_proj").view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
     k = _linear(x, w, "self_attn.k_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -93,8 +93,7 @@ def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, laye
     if slots is None:
         keys, values = cache.write(layer, k, v)  # [B, KVH, T, D], T = cached + S
     else:  # T = the mask's width: the first T slots of the static cache (a fixed shape per graph)
-        keys, values = cache.write_at(layer, k, v, slots)
-        keys, values = keys[:, :, :mask.shape[-1]], values[:, :, :mask.shape[-1]]
+        keys, values = cache.write_at(layer, k, v, slots, mask.shape[-1])
     mask = mask[None, None] if mask.dim() == 2 else mask[:, None]  # [S, T] shared, or [B, S, T] per row
     out = attend(q, keys, values, mask, backend)
     out = out.transpose(1, 2).reshape(B, S, cfg.num_heads * cfg.head_dim)  # [B, S, H*D]

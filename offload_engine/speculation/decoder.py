@@ -19,7 +19,8 @@ once on the device and writes their tokens into a device tensor, so a static tre
 host round trip at all. Greedy verification compares on the device and moves the tokens and the
 argmax of each node (2n integers); stochastic verification either walks on the host
 (`verify_stochastic`, the default where the device is the CPU) or computes its acceptance table on
-the device (`verify_stochastic_table`, the default on a GPU) and moves that table and one row.
+the device (`verify_stochastic_table`, the default on a GPU) and moves that table, the tokens and
+every node's bonus drawn ahead, in one transfer.
 Best-first (specexec) trees move each level's few candidates and their log-probabilities to the
 host, where the frontier lives. A child the draft could not draw (its support ran out) keeps the
 token -1: it runs through the passes as token 0, is never accepted, and changes nothing.
@@ -127,21 +128,20 @@ class Tree:
     root), on the host, with its ancestor mask kept up to date on the device."""
 
     def __init__(self, root: int, max_nodes: int, device: torch.device):
-        self.parents, self.tokens, self.depths, self.ranks = [-1], [root], [0], [0]
+        self.parents, self.tokens, self.depths = [-1], [root], [0]
         self.mask = torch.zeros(max_nodes, max_nodes, dtype=torch.bool, device=device)
         self.mask[0, 0] = True
 
     def __len__(self) -> int:
         return len(self.parents)
 
-    def add_level(self, parents: list[int], tokens: list[int], ranks: list[int]) -> None:
+    def add_level(self, parents: list[int], tokens: list[int]) -> None:
         """Nodes added together (one draft forward); their mask rows built with one gather."""
         lo = len(self.parents)
-        for p, t, r in zip(parents, tokens, ranks):
+        for p, t in zip(parents, tokens):
             self.parents.append(p)
             self.tokens.append(t)
             self.depths.append(self.depths[p] + 1)
-            self.ranks.append(r)
         hi = len(self.parents)
         new = torch.arange(lo, hi, device=self.mask.device)
         self.mask[lo:hi] = self.mask[torch.tensor(parents, device=self.mask.device)]
@@ -244,7 +244,7 @@ class SpeculativeDecoder:
             raise ValueError(f"draft_graphs must be one of {DRAFT_GRAPH_MODES}, got {draft_graphs!r}")
         self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
         self.verify_mode = verify if verify != "auto" else ("walk" if target.device.type == "cpu" else "table")
-        self.static_parents = spec.shape()
+        static_parents = spec.shape()
         need = capacity + spec.max_nodes
         self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None
                      else CachedSequence(m.new_cache(need), []) for m in (target, draft) if m is not None]
@@ -261,7 +261,7 @@ class SpeculativeDecoder:
                     or seq.levels.attention != draft.attention):
                 seq.levels = StaticLevels(draft, seq.cache, capture=draft_graphs == "on")
             self.draft_levels = seq.levels
-        self.shape = StaticShape(self.static_parents, self.device) if self.static_parents is not None else None
+        self.shape = StaticShape(static_parents, self.device) if static_parents is not None else None
         # draws on the draft's device come from a generator there, seeded from the generation's
         self.device_g = generator
         if draft is not None and self.device.type != "cpu":
@@ -309,7 +309,7 @@ class SpeculativeDecoder:
             tree, draft_probs = self._grow_best_first(root)
             n = len(tree)
             parents, tokens = tuple(tree.parents), torch.tensor(tree.tokens, device=self.device)
-            mask, depths = tree.mask[:n, :n], torch.tensor(tree.depths)
+            mask, depths = tree.mask[:n, :n], torch.tensor(tree.depths, device=self.device)
         result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs)
         path = [0] + list(result.accepted)
         kept = [host_tokens[i] for i in path]
@@ -441,7 +441,7 @@ class SpeculativeDecoder:
                 break
             lo = len(tree)
             picked = frontier.pop(min(batch, room))
-            tree.add_level([c.parent for c in picked], [c.token for c in picked], [c.rank for c in picked])
+            tree.add_level([c.parent for c in picked], [c.token for c in picked])
             scores += [c.score for c in picked]
             hi = len(tree)
         in_tree: dict[int, int] = {}
