@@ -18,11 +18,13 @@ from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH
 from sequoia_trees.sampling import SamplingParams
 
 from .errors import UserError
-from .formats.checkpoint import Checkpoint, fingerprint
+from .formats.checkpoint import fingerprint, open_checkpoint
 from .formats.config import ModelConfig, load_config, parse_dtype
 from .formats.detokenize import TextStream
 from .formats.tokenizer import Tokenizer
 from .planning.auto_tree import AUTO_MAX_BUDGET
+from .runtime.blocks import parse_weights
+from .runtime.layer_store import StoreLayout, store_layout
 from .runtime.loader import OffloadOptions, load_target, make_placement
 from .runtime.model import Transformer
 from .runtime.placement import PlacementPlan, kv_cache_bytes, model_bytes
@@ -45,14 +47,23 @@ class GenerationResult:
 
 
 def resolve_target(target: str | Path | None, progress: bool = True) -> Path:
-    """'default' (or None) is the embedded SmolLM2-135M-Instruct; anything else is a folder."""
+    """'default' (or None) is the embedded SmolLM2-135M-Instruct (its Q4_1 GGUF, used as it is);
+    a .gguf file, or a folder holding one GGUF file and no config.json, is read in its own block
+    formats through a small metadata folder (`formats.gguf_model`); anything else is a Hugging
+    Face checkpoint folder."""
+    from .formats import gguf_model
     if target is None or str(target) == "default":
         from .formats.default_model import default_model_dir
         return default_model_dir(progress=progress)
-    folder = Path(target).expanduser()
-    if not folder.is_dir():
-        raise UserError(f"checkpoint folder {folder} does not exist")
-    return folder
+    path = Path(target).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"{path}: not a model (give a checkpoint folder or a .gguf file)")
+        return gguf_model.sidecar_for(path, progress)
+    if not path.is_dir():
+        raise UserError(f"checkpoint folder {path} does not exist")
+    found = gguf_model.gguf_in(path)
+    return gguf_model.sidecar_for(found, progress) if found is not None else path
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -80,10 +91,12 @@ class _Setup:
     plan: PlacementPlan
     draft_folder: Path | None = None
     draft_cfg: ModelConfig | None = None
+    layout: StoreLayout | None = None
 
 
 def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens,
-           progress, draft=None, draft_group_size: int = DEFAULT_GROUP_SIZE, cache_slots: int = 1) -> _Setup:
+           progress, draft=None, draft_group_size: int = DEFAULT_GROUP_SIZE, cache_slots: int = 1,
+           weights: str = "auto") -> _Setup:
     """Everything Engine.load decides before loading a byte: checked flags, config and the plan."""
     dev = resolve_device(device)
     dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -96,12 +109,18 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     limit = max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
     if limit > cfg.max_context:
         raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
-    opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens, cache_slots=cache_slots)
+    opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens, cache_slots=cache_slots,
+                          weights=parse_weights(weights))
+    ckpt = open_checkpoint(folder, cfg)
+    try:  # each layer's stored formats and bytes, from the headers
+        layout = store_layout(ckpt, dt, opts.weights)
+    finally:
+        ckpt.close()
     draft_bytes, draft_folder, draft_cfg = _draft_parts(draft, folder, cfg, dt, draft_group_size, progress)
     # the draft's own KV caches, one per slot (a self-draft has the target's shape)
     draft_kv = cache_slots * kv_cache_bytes(draft_cfg or cfg, dt, limit + max_batch_tokens) if draft is not None else 0
-    return _Setup(folder, cfg, dev, dt, limit, opts, make_placement(cfg, dt, dev, opts, limit, draft_bytes, draft_kv),
-                  draft_folder, draft_cfg)
+    plan = make_placement(cfg, dt, dev, opts, limit, draft_bytes, draft_kv, layout)
+    return _Setup(folder, cfg, dev, dt, limit, opts, plan, draft_folder, draft_cfg, layout)
 
 
 def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtype, group_size: int,
@@ -127,13 +146,13 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
 
 def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
               ram=None, buffers=None, max_batch_tokens=1024, draft: str | Path | None = None,
-              draft_group_size: int = DEFAULT_GROUP_SIZE,
-              cache_slots: int = 1) -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
+              draft_group_size: int = DEFAULT_GROUP_SIZE, cache_slots: int = 1,
+              weights: str = "auto") -> tuple[PlacementPlan, Path, torch.device, torch.dtype]:
     """The placement Engine.load would use, without loading anything (`sequoia-offload plan`).
     The draft (a folder, "default", "self-int8" or "self-int4") is counted as resident on the
     device: a folder in the compute dtype, a self-draft at its quantised size, with its KV caches."""
     s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True, draft,
-               draft_group_size, cache_slots)
+               draft_group_size, cache_slots, weights)
     return s.plan, s.folder, s.device, s.dtype
 
 
@@ -220,7 +239,7 @@ class Engine:
              tree: str = "auto", tree_budget: int | None = None, tree_depth: int | None = None,
              specinfer_width: int = 4,
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
-             cache_slots: int = 1, progress: bool = True) -> "Engine":
+             cache_slots: int = 1, weights: str = "auto", progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -234,7 +253,9 @@ class Engine:
         machine's profile and the pair's acceptance vectors (`auto_tree`), at most `tree_budget`
         nodes (default 1024) and `tree_depth` levels (default 24). Other kinds default to 64
         nodes and 8 levels. `cache_slots` conversations keep their KV caches for prefix reuse
-        (each one reserved in the placement plan, for the target and the draft).
+        (each one reserved in the placement plan, for the target and the draft). `weights` is the
+        format streamed layers are stored in (`runtime.blocks`: "auto" keeps the checkpoint's own,
+        GGUF blocks included; "bf16", "f16", "f32", "q8_0", "q4_0", "q4_1" convert at store build).
         """
         auto = tree == "auto"
         if auto:
@@ -247,7 +268,7 @@ class Engine:
             spec = _tree_spec(tree, 64 if tree_budget is None else tree_budget, 8 if tree_depth is None else tree_depth,
                               specinfer_width, acceptance)
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
-                   max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size, cache_slots)
+                   max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size, cache_slots, weights)
         tokenizer = Tokenizer.from_folder(s.folder)
         if tokenizer.vocab_size > s.cfg.vocab_size:
             raise UserError(f"{s.folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
@@ -255,16 +276,16 @@ class Engine:
         draft_model = None
         if s.draft_folder is not None:
             _check_same_vocabulary(s.folder, s.cfg, tokenizer, s.draft_folder, s.draft_cfg)
-            draft_ckpt = Checkpoint(s.draft_folder, s.draft_cfg)
+            draft_ckpt = open_checkpoint(s.draft_folder, s.draft_cfg)
             try:
                 draft_ckpt.check()
                 draft_model = Transformer.from_checkpoint(draft_ckpt, s.dtype, s.device)
             finally:
                 draft_ckpt.close()
-        ckpt = Checkpoint(s.folder, s.cfg)
+        ckpt = open_checkpoint(s.folder, s.cfg)
         try:
             ckpt.check()  # every tensor present with the right shape, before any allocation
-            model = load_target(ckpt, s.dtype, s.device, s.plan, s.opts, progress)
+            model = load_target(ckpt, s.dtype, s.device, s.plan, s.opts, progress, s.layout)
             scheme = self_draft_scheme(draft)
             if scheme is not None:
                 draft_model = build_self_draft(ckpt, model, scheme, draft_group_size)

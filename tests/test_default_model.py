@@ -42,11 +42,13 @@ def test_logits_match_transformers_own_gguf_loader(engine):
     assert_close(got, expected, atol=1e-3, rtol=1e-3)
 
 
-def test_default_model_is_converted_once_and_reused():
+def test_default_model_folder_is_written_once_and_reused():
+    """The default's folder holds its configuration and tokenizer; its weights stay in the GGUF."""
     first = default_model_dir(progress=False)
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    stamp = (first / "gguf.json").stat().st_mtime_ns
     assert default_model_dir(progress=False) == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (first / "gguf.json").stat().st_mtime_ns == stamp
+    assert not list(first.glob("*.safetensors"))
 
 
 def test_demo_command_streams_an_answer():

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from offload_engine import fsutil
 from offload_engine.errors import UserError
-from offload_engine.formats import default_model, gguf_import
+from offload_engine.formats import default_model, gguf_import, gguf_model
 from offload_engine.formats.gguf_import import OutputExistsError, convert_gguf
 
 import transformers  # noqa: E402  (a test dependency: the reference implementation)
@@ -643,11 +643,11 @@ def test_cache_root_and_key(tmp_path, monkeypatch):
 
     f = tmp_path / "a.gguf"
     f.write_bytes(b"GGUF" + bytes(100))
-    k1 = default_model.cache_key(f)
+    k1 = gguf_model._key(f)
     monkeypatch.setattr(gguf_import, "FORMAT_VERSION", gguf_import.FORMAT_VERSION + 1)
-    k2 = default_model.cache_key(f)
+    k2 = gguf_model._key(f)
     f.write_bytes(b"GGUF" + bytes(101))
-    k3 = default_model.cache_key(f)
+    k3 = gguf_model._key(f)
     assert len({k1, k2, k3}) == 3 and all(len(k) <= 16 for k in (k1, k2, k3))
 
 
@@ -670,12 +670,13 @@ def test_default_model_dir_uses_finished_concurrent_conversion(tmp_path, monkeyp
     real = gguf_import.convert_gguf
 
     def racing(gguf_path, out_dir, **kw):
-        real(gguf_path, out_dir, progress=False)  # the "other process" finishes first
+        real(gguf_path, out_dir, **kw)  # the "other process" finishes first
         return real(gguf_path, out_dir, **kw)      # ours then finds the folder taken
 
     monkeypatch.setattr(gguf_import, "convert_gguf", racing)
     first = default_model.default_model_dir(progress=False)
-    assert (first / "config.json").is_file()
+    assert (first / "config.json").is_file() and (first / "gguf.json").is_file()
+    assert not list(first.glob("*.safetensors"))  # the weights stay in the GGUF file
     assert first.parent == tmp_path / "cache" / "sequoia-offload" / "models"
     assert first.name.startswith("SmolLM2-135M-Instruct-")
     assert [p for p in first.parent.iterdir() if ".tmp-" in p.name] == []

@@ -32,13 +32,13 @@ def _dirs(root):
 def test_store_blocks_hold_exactly_the_checkpoint_tensors(folder, tmp_path):
     ckpt = _ckpt(folder)
     store = open_or_build(ckpt, torch.bfloat16, tmp_path / "stores", progress=False)
-    assert store.path.stat().st_size == 3 * store.layout.block_bytes
-    assert store.layout.block_bytes % BLOCK_ALIGN == 0
+    assert store.path.stat().st_size == sum(store.layout.sizes) == 3 * store.layout.max_block
+    assert all(size % BLOCK_ALIGN == 0 for size in store.layout.sizes)
     reader = store.reader(direct=True)
-    buf = aligned_buffer(store.layout.block_bytes)
+    buf = aligned_buffer(store.layout.max_block)
     for i in range(3):
         reader.read(i, buf)  # O_DIRECT (or its stated fallback) read of one block
-        views = store.layout.views(buf)
+        views = store.layout.layouts[i].views(buf)
         assert set(views) == set(ckpt.load_layer(i, torch.bfloat16))
         for name, expected in ckpt.load_layer(i, torch.bfloat16).items():
             assert torch.equal(views[name], expected), (i, name)
@@ -70,20 +70,20 @@ def test_build_from_a_truncated_checkpoint_leaves_nothing(folder, tmp_path):
 
 def test_interrupted_build_leaves_nothing_a_later_run_trusts(folder, tmp_path, monkeypatch):
     root = tmp_path / "stores"
-    real = Checkpoint.load_layer
+    real = Checkpoint.load
 
-    def dies_at_layer_2(self, index, *a, **k):
-        if index == 2:
+    def dies_at_layer_2(self, name, *a, **k):
+        if name.startswith("model.layers.2."):
             raise KeyboardInterrupt
-        return real(self, index, *a, **k)
+        return real(self, name, *a, **k)
 
-    monkeypatch.setattr(Checkpoint, "load_layer", dies_at_layer_2)
+    monkeypatch.setattr(Checkpoint, "load", dies_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
         open_or_build(_ckpt(folder), torch.float32, root, progress=False)
     assert _dirs(root) == []
-    monkeypatch.setattr(Checkpoint, "load_layer", real)
+    monkeypatch.setattr(Checkpoint, "load", real)
     store = open_or_build(_ckpt(folder), torch.float32, root, progress=False)
-    assert store.path.stat().st_size == 3 * store.layout.block_bytes
+    assert store.path.stat().st_size == store.layout.total_bytes
 
 
 def test_a_killed_build_is_never_trusted(folder, tmp_path):
@@ -106,7 +106,7 @@ def test_a_killed_build_is_never_trusted(folder, tmp_path):
     assert not stale.exists() and fresh.exists()
     # a layout.json that disagrees with the model is not trusted either
     meta = json.loads((rebuilt.folder / "layout.json").read_text())
-    meta["layout"]["block_bytes"] += 4096
+    meta["layout"]["layouts"][0]["block_bytes"] += 4096
     (rebuilt.folder / "layout.json").write_text(json.dumps(meta))
     again = open_or_build(_ckpt(folder), torch.float32, root, progress=False)
     assert again.path.read_bytes() == reference

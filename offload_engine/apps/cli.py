@@ -18,7 +18,8 @@ DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--target", default="default",
-                   help="checkpoint folder (Hugging Face layout) or 'default' (embedded SmolLM2-135M-Instruct)")
+                   help="checkpoint folder (Hugging Face layout), a llama GGUF file (or a folder holding one), "
+                        "or 'default' (embedded SmolLM2-135M-Instruct, its Q4_1 GGUF)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="compute dtype: bfloat16, float16, float32 "
                                                  "(default: bfloat16 on CUDA, float32 on CPU)")
@@ -53,6 +54,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--specinfer-width", type=int, default=4, help="SpecInfer: independent sequences (default 4)")
     t.add_argument("--acceptance", default=None,
                    help="acceptance vector JSON (from the acceptance command) shaping --tree sequoia")
+    o.add_argument("--weights", default="auto", choices=("auto", "bf16", "f16", "f32", "q8_0", "q4_0", "q4_1"),
+                   help="format streamed layers are stored and moved in: auto keeps the checkpoint's own (a "
+                        "GGUF's blocks as they are); the others convert when the layer store is built (q8_0, "
+                        "q4_0, q4_1 with the gguf package's quantizers: a requantized, different model)")
     o.add_argument("--buffers", type=int, default=None,
                    help="layer buffers streamed layers rotate through (default: 2 on CUDA, 6 on the CPU)")
 
@@ -201,7 +206,7 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                        specinfer_width=args.specinfer_width, acceptance=_acceptance(args.acceptance),
                        draft_group_size=args.draft_group_size, cache_slots=getattr(args, "cache_slots", 1),
-                       progress=not quiet)
+                       weights=args.weights, progress=not quiet)
 
 
 def _acceptance(path: str | None):
@@ -352,13 +357,42 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..engine import plan_only
-    plan, folder, device, dtype = plan_only(args.target, device=args.device, dtype=args.dtype,
-                                            max_context=args.max_context, offload=args.offload, vram=args.vram,
-                                            ram=args.ram, buffers=args.buffers, draft=args.draft,
-                                            draft_group_size=args.draft_group_size, cache_slots=args.cache_slots)
-    print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}\n")
+    from ..runtime.blocks import WEIGHTS_CHOICES
+    from ..runtime.placement import fmt_bytes
+
+    def plan_for(weights: str):
+        return plan_only(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
+                         offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers, draft=args.draft,
+                         draft_group_size=args.draft_group_size, cache_slots=args.cache_slots, weights=weights)
+
+    plan, folder, device, dtype = plan_for(args.weights)
+    print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}, --weights {args.weights}\n")
     print(plan.table())
+    for weights in WEIGHTS_CHOICES:
+        if weights == args.weights:
+            continue
+        try:
+            other = plan_for(weights)[0]
+        except UserError:
+            continue  # this format does not fit the shapes, or the budgets
+        hint = tier_change(plan, other)
+        if hint:
+            print(f"--weights {weights}: {hint} ({fmt_bytes(other.bytes_per_pass)} per pass)")
     return 0
+
+
+def tier_change(plan, other) -> str:
+    """What another --weights choice would move up a tier, in words ('' when nothing)."""
+    moves = []
+    up = len(other.resident_layers) - len(plan.resident_layers)
+    if up > 0:
+        moves.append(f"{up} more layers resident on the device")
+    off_disk = len(plan.disk_layers) - len(other.disk_layers) - max(up, 0)
+    if off_disk > 0 and len(other.ram_layers) > len(plan.ram_layers) - max(up, 0):
+        moves.append(f"{off_disk} layers from disk to RAM")
+    elif len(plan.disk_layers) > len(other.disk_layers) and not other.disk_layers:
+        moves.append("no layer read from disk")
+    return ", ".join(moves)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..formats.checkpoint import Checkpoint, layer_shapes
+from ..formats.checkpoint import layer_shapes, open_checkpoint
 from ..formats.config import ModelConfig, load_config, parse_dtype, read_json_object
 from ..formats.tokenizer import Tokenizer
 from ..fsutil import atomic_write_text, remove_stale_temps
@@ -268,7 +268,7 @@ def init_student(target: _Model, target_dir: Path, cfg: ModelConfig, init_layers
     dev = target.tensors[EMBED].device
     if same:
         picks = init_layers or tuple(range(cfg.num_layers))
-        ckpt = Checkpoint(target_dir, t)
+        ckpt = open_checkpoint(target_dir, t)
         try:
             for n, src in enumerate(picks):  # from the checkpoint: a streamed target is not indexable
                 for name, w in ckpt.load_layer(src, torch.float32, dev).items():

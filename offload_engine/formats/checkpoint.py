@@ -160,10 +160,24 @@ class Checkpoint:
         prefix = f"model.layers.{index}."
         return {k: self.load(prefix + k, dtype, device) for k in layer_shapes(self.config)}
 
+    def source_formats(self) -> dict[str, str]:
+        """Each tensor's stored type as GGUF names it (F32, F16, BF16), from the headers."""
+        out = {}
+        for name in self.shapes:
+            self._shape_of(name, self.shapes[name])
+            out[name] = self._handle(self.file_of[name]).get_slice(name).get_dtype()
+        return out
+
     def close(self) -> None:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles.clear()
+
+
+def open_checkpoint(folder: str | Path, config: ModelConfig):
+    """A safetensors `Checkpoint`, or a `GGUFCheckpoint` for a GGUF model's folder."""
+    from .gguf_model import GGUFCheckpoint, is_sidecar
+    return GGUFCheckpoint(folder, config) if is_sidecar(Path(folder)) else Checkpoint(folder, config)
 
 
 # ---- fingerprints: naming a checkpoint's weights wherever its folder sits ---------------------------
@@ -184,6 +198,12 @@ def fingerprint(folder: Path) -> str | None:
         tok = folder / "tokenizer.json"
         if tok.exists():
             h.update(tok.read_bytes())
+        from .gguf_model import is_sidecar, tensor_head
+        if is_sidecar(folder):  # the same model as a float32 folder has the same fingerprint
+            for name in _SAMPLED:
+                h.update(name.encode())
+                h.update(tensor_head(folder, name, _SAMPLE_BYTES))
+            return h.hexdigest()[:16]
         file_of = Checkpoint(folder, load_config(folder)).file_of
         for name in _SAMPLED:
             if name in file_of:

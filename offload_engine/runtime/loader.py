@@ -8,10 +8,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..formats.checkpoint import Checkpoint
 from ..formats.config import ModelConfig
 from ..fsutil import cache_root
-from .layer_store import LayerLayout, aligned_buffer, open_or_build
+from .layer_store import StoreLayout, aligned_buffer, open_or_build, store_layout, stored_tensor
 from .model import Transformer, load_globals
 from .placement import PlacementPlan, default_budgets, make_plan, parse_size
 from .streamer import LayerExecutor, pinned_block
@@ -27,6 +26,7 @@ class OffloadOptions:
     max_batch_tokens: int = 1024  # widest forward pass (prefill chunk, largest tree)
     direct_io: bool = True  # O_DIRECT for the disk tier
     store_root: Path | None = None  # where packed layer stores live (default: the cache folder)
+    weights: str = "auto"  # storage format of streamed layers (runtime/blocks.py: --weights)
     cache_slots: int = 1  # KV caches kept for prefix reuse (conversations); each reserved in the plan
 
 
@@ -39,7 +39,8 @@ def default_buffers(device: torch.device) -> int:
 
 
 def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, opts: OffloadOptions,
-                   max_context: int, draft_bytes: int = 0, draft_kv_bytes: int = 0) -> PlacementPlan:
+                   max_context: int, draft_bytes: int = 0, draft_kv_bytes: int = 0,
+                   store: StoreLayout | None = None) -> PlacementPlan:
     default_vram, default_ram = (None, None)
     if opts.vram is None or opts.ram is None:
         default_vram, default_ram = default_budgets(device)
@@ -49,28 +50,38 @@ def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, o
                      vram_bytes=parse_size(opts.vram) if opts.vram is not None else default_vram,
                      ram_bytes=parse_size(opts.ram) if opts.ram is not None else default_ram,
                      buffers=opts.buffers or default_buffers(device), max_context=max_context, max_batch_tokens=opts.max_batch_tokens,
-                     draft_bytes=draft_bytes, cache_slots=opts.cache_slots, draft_kv_bytes=draft_kv_bytes)
+                     draft_bytes=draft_bytes, cache_slots=opts.cache_slots, draft_kv_bytes=draft_kv_bytes,
+                     store=store)
 
 
 def _host_block(nbytes: int, device: torch.device) -> torch.Tensor:
     return pinned_block(nbytes, device) if device.type == "cuda" else aligned_buffer(nbytes)
 
 
-def load_target(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, plan: PlacementPlan,
-                opts: OffloadOptions, progress: bool = True) -> Transformer:
-    """Resident parts onto the device, streamed layers into the RAM tier or the disk store."""
+def load_target(ckpt, dtype: torch.dtype, device: torch.device, plan: PlacementPlan,
+                opts: OffloadOptions, progress: bool = True, layout: StoreLayout | None = None) -> Transformer:
+    """Resident parts onto the device, streamed layers into the RAM tier or the disk store.
+    Resident layers are dense (dequantized once) or kept in their stored blocks, as the plan says."""
     cfg = ckpt.config
+    layout = layout or store_layout(ckpt, dtype, opts.weights)
     globals_ = load_globals(ckpt, dtype, device)
     bar = tqdm(plan.resident_layers, desc="loading resident layers", unit="layer", leave=False,
                disable=None if progress else True)
-    resident = {i: ckpt.load_layer(i, dtype, device) for i in bar}
-    layout = LayerLayout.for_config(cfg, dtype)
+    resident = {}
+    for i in bar:
+        if plan.resident_format == "blocks":
+            lay = layout.layouts[i]
+            block = torch.empty(lay.block_bytes, dtype=torch.uint8)
+            lay.pack({s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt) for s in lay.slots}, block)
+            resident[i] = lay.views(block.to(device))
+        else:
+            resident[i] = ckpt.load_layer(i, dtype, device)
     ram_blocks: dict[int, torch.Tensor] = {}
     reader = None
     if plan.streamed_layers:
-        store = open_or_build(ckpt, dtype, opts.store_root or cache_root() / "stores", progress)
+        store = open_or_build(ckpt, dtype, opts.store_root or cache_root() / "stores", progress, opts.weights, layout)
         for i in plan.ram_layers:
-            ram_blocks[i] = store.load_block(i, _host_block(layout.block_bytes, device))
+            ram_blocks[i] = store.load_block(i, _host_block(layout.sizes[i], device))
         if plan.disk_layers:
             reader = store.reader(direct=opts.direct_io)
     executor = LayerExecutor(plan, layout, device, resident, ram_blocks, reader)

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
+from ..formats.checkpoint import layer_shapes
 from ..formats.config import ModelConfig
-from .layer_store import LayerLayout
+from .layer_store import LayerLayout, StoreLayout
 
 OFFLOAD_MODES = ("auto", "none", "ram", "disk")
 GIB = 2**30
@@ -48,7 +49,7 @@ def fmt_bytes(n: int) -> str:
 @dataclass(frozen=True)
 class PlacementPlan:
     num_layers: int
-    layer_bytes: int  # one packed layer block (4 KiB aligned)
+    layer_bytes: int  # the largest packed layer block (4 KiB aligned): what a layer buffer holds
     resident_layers: tuple[int, ...]
     ram_layers: tuple[int, ...]
     disk_layers: tuple[int, ...]
@@ -56,27 +57,45 @@ class PlacementPlan:
     fixed_bytes: dict[str, int] = field(default_factory=dict)  # resident non-layer parts by name
     vram_budget_bytes: int = 0
     ram_budget_bytes: int = 0
+    layer_sizes: tuple[int, ...] = ()  # each layer's stored block (all layer_bytes when empty)
+    resident_format: str = "dense"  # resident layers: "dense" (dequantized once at load) or "blocks"
+    dense_layer_bytes: int = 0  # one layer in the compute dtype (layer_bytes when 0)
+    weights: str = ""  # the stored formats, for people (StoreLayout.summary)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.layer_sizes or (self.layer_bytes,) * self.num_layers
+
+    def resident_cost(self, layer: int) -> int:
+        """Device bytes of a resident layer: its block kept as it is, or its dense weights."""
+        if self.resident_format == "blocks":
+            return self.sizes[layer]
+        return self.dense_layer_bytes or self.layer_bytes
 
     @property
     def streamed_layers(self) -> tuple[int, ...]:
         return tuple(sorted(self.ram_layers + self.disk_layers))
 
     @property
+    def resident_bytes(self) -> int:
+        return sum(self.resident_cost(i) for i in self.resident_layers)
+
+    @property
     def vram_bytes(self) -> int:
-        return sum(self.fixed_bytes.values()) + len(self.resident_layers) * self.layer_bytes
+        return sum(self.fixed_bytes.values()) + self.resident_bytes
 
     @property
     def ram_bytes(self) -> int:
-        return len(self.ram_layers) * self.layer_bytes
+        return sum(self.sizes[i] for i in self.ram_layers)
 
     @property
     def disk_bytes(self) -> int:
-        return len(self.disk_layers) * self.layer_bytes
+        return sum(self.sizes[i] for i in self.disk_layers)
 
     @property
     def bytes_per_pass(self) -> int:
         """Bytes copied into the device buffers by one target pass."""
-        return len(self.streamed_layers) * self.layer_bytes
+        return sum(self.sizes[i] for i in self.streamed_layers)
 
     def table(self) -> str:
         rows = [("device (resident)", len(self.resident_layers), self.vram_bytes, self.vram_budget_bytes),
@@ -90,10 +109,14 @@ class PlacementPlan:
         lines.append("|---|---:|")
         for name, b in self.fixed_bytes.items():
             lines.append(f"| {name} | {fmt_bytes(b)} |")
-        lines.append(f"| {len(self.resident_layers)} resident layers | "
-                     f"{fmt_bytes(len(self.resident_layers) * self.layer_bytes)} |")
+        how = " (kept in their blocks, dequantized per use)" if self.resident_format == "blocks" else ""
+        lines.append(f"| {len(self.resident_layers)} resident layers{how} | {fmt_bytes(self.resident_bytes)} |")
         lines.append("")
-        lines.append(f"layer block: {fmt_bytes(self.layer_bytes)}; {len(self.streamed_layers)} of "
+        if self.weights:
+            lines.append(f"stored weights: {self.weights}")
+        sizes = sorted(set(self.sizes))
+        block = fmt_bytes(sizes[0]) if len(sizes) == 1 else f"{fmt_bytes(sizes[0])} to {fmt_bytes(sizes[-1])}"
+        lines.append(f"layer block: {block}; {len(self.streamed_layers)} of "
                      f"{self.num_layers} layers streamed per pass = {fmt_bytes(self.bytes_per_pass)} per target pass")
         return "\n".join(lines)
 
@@ -138,43 +161,78 @@ def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batc
 def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vram_bytes: int,
               ram_bytes: int, buffers: int = 2, max_context: int, max_batch_tokens: int,
               draft_bytes: int = 0, layer_bytes: int | None = None, cache_slots: int = 1,
-              draft_kv_bytes: int = 0) -> PlacementPlan:
+              draft_kv_bytes: int = 0, store: StoreLayout | None = None) -> PlacementPlan:
     """Decide each layer's tier. Refuses, naming the numbers, a plan that cannot fit.
-    `layer_bytes` overrides the packed layer size (the simulator's quantised weights)."""
+    `store` gives each layer's stored bytes and formats (layer_store.store_layout); without it
+    every layer is a dense block in `dtype`, or `layer_bytes` (the simulator's quantised weights).
+
+    Resident layers are dequantized once at load ("dense") when the whole model fits the device
+    that way; otherwise, when the store holds packed formats, they stay in their blocks and are
+    dequantized per use ("blocks"), whenever that keeps more of them resident."""
     if offload not in OFFLOAD_MODES:
         raise UserError(f"--offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     if buffers < 1:
         raise UserError(f"--buffers must be at least 1, got {buffers}")
     L = cfg.num_layers
-    layer = layer_bytes if layer_bytes is not None else LayerLayout.for_config(cfg, dtype).block_bytes
+    dense = LayerLayout.for_config(cfg, dtype).block_bytes
+    if store is not None:
+        sizes, layer, label = store.sizes, store.max_block, store.summary()
+        # one layer's packed slots in the compute dtype: what each buffer's conversion writes
+        scratch = max(sum(math.prod(s.shape) for s in lay.slots if s.name in lay.packed) for lay in store.layouts)
+        scratch *= dtype.itemsize
+    else:
+        layer = layer_bytes if layer_bytes is not None else dense
+        sizes, label, scratch = (layer,) * L, "", 0
+        dense = layer
     if cache_slots < 1:
         raise UserError(f"--cache-slots must be at least 1, got {cache_slots}")
     fixed = fixed_parts(cfg, dtype, max_context, max_batch_tokens, draft_bytes, cache_slots, draft_kv_bytes)
     need = sum(fixed.values())
-    if offload == "none" or (offload == "auto" and need + L * layer <= vram_bytes):
-        if need + L * layer > vram_bytes:
-            raise UserError(f"--offload none: the whole model needs {fmt_bytes(need + L * layer)} on the device "
-                            f"({fmt_bytes(L * layer)} of layers + {_parts(fixed)}), more than --vram "
-                            f"{fmt_bytes(vram_bytes)}")
-        return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes)
+    common = dict(layer_sizes=tuple(sizes) if store is not None else (), dense_layer_bytes=dense, weights=label)
+    if offload in ("none", "auto") and need + L * dense <= vram_bytes:
+        return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes, **common)
+    # per-use dequantization of a resident matrix needs its dense copy for the while: the largest
+    biggest = max(math.prod(s) for s in layer_shapes(cfg).values()) * dtype.itemsize if scratch else 0
+    blocks_fit = lambda room, n: sum(sizes[:n]) <= room  # noqa: E731
+    if offload == "none":
+        if scratch and need + biggest + sum(sizes) <= vram_bytes:
+            fixed["dequant scratch (one matrix)"] = biggest
+            return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes,
+                                 resident_format="blocks", **common)
+        raise UserError(f"--offload none: the whole model needs {fmt_bytes(need + L * dense)} on the device "
+                        f"({fmt_bytes(L * dense)} of layers + {_parts(fixed)}), more than --vram "
+                        f"{fmt_bytes(vram_bytes)}")
     fixed["layer buffers"] = buffers * layer
     need += buffers * layer
+    if scratch:
+        fixed["dequant scratch"] = buffers * scratch
+        need += buffers * scratch
     if need > vram_bytes:
         raise UserError(f"--vram {fmt_bytes(vram_bytes)} is too small for the resident parts: "
                         f"{_parts(fixed)} = {fmt_bytes(need)}")
-    n_res = min(L - 1, (vram_bytes - need) // layer) if offload == "auto" else 0
+    fmt = "dense"
+    n_res = min(L - 1, (vram_bytes - need) // dense) if offload == "auto" else 0
+    if offload == "auto" and scratch and need + biggest <= vram_bytes:
+        n_blocks = 0
+        while n_blocks < L - 1 and blocks_fit(vram_bytes - need - biggest, n_blocks + 1):
+            n_blocks += 1
+        if n_blocks > n_res:
+            n_res, fmt = n_blocks, "blocks"
+            fixed["dequant scratch (one matrix)"] = biggest
     streamed = list(range(n_res, L))
     if offload == "disk":
         n_ram = 0
     elif offload == "ram":
         n_ram = len(streamed)
-        if n_ram * layer > ram_bytes:
-            raise UserError(f"--offload ram: {n_ram} layers need {fmt_bytes(n_ram * layer)} of RAM, more than "
-                            f"--ram {fmt_bytes(ram_bytes)}")
+        if sum(sizes[i] for i in streamed) > ram_bytes:
+            raise UserError(f"--offload ram: {n_ram} layers need {fmt_bytes(sum(sizes[i] for i in streamed))} of "
+                            f"RAM, more than --ram {fmt_bytes(ram_bytes)}")
     else:
-        n_ram = min(len(streamed), ram_bytes // layer)
+        n_ram = 0
+        while n_ram < len(streamed) and sum(sizes[i] for i in streamed[:n_ram + 1]) <= ram_bytes:
+            n_ram += 1
     return PlacementPlan(L, layer, tuple(range(n_res)), tuple(streamed[:n_ram]), tuple(streamed[n_ram:]),
-                         buffers, fixed, vram_bytes, ram_bytes)
+                         buffers, fixed, vram_bytes, ram_bytes, resident_format=fmt, **common)
 
 
 def _parts(parts: dict[str, int]) -> str:

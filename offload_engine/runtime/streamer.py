@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layer_store import BlockReader, LayerLayout, aligned_buffer
+from .blocks import to_dense
+from .layer_store import BlockReader, StoreLayout, aligned_buffer
 from .model import LayerWeights
 from .placement import PlacementPlan
 
@@ -49,6 +50,7 @@ class StreamStats:
     copy_seconds: float = 0.0  # time spent moving layer bytes (disk reads + copies)
     compute_seconds: float = 0.0  # time the compute side spent in layers
     stall_seconds: float = 0.0  # time the compute side waited for a layer's bytes
+    dequant_seconds: float = 0.0  # time turning streamed blocks into compute-dtype weights (copy side)
     pass_seconds: float = 0.0
 
     prefetched_bytes: int = 0  # filled ahead for the next pass, not yet consumed (when read)
@@ -92,7 +94,7 @@ class _Clock:
 class LayerExecutor:
     """Yields each decoder layer's weights on the device, in order, once per `passes()` iteration."""
 
-    def __init__(self, plan: PlacementPlan, layout: LayerLayout, device: torch.device,
+    def __init__(self, plan: PlacementPlan, layout: StoreLayout, device: torch.device,
                  resident: dict[int, LayerWeights], ram_blocks: dict[int, torch.Tensor],
                  reader: BlockReader | None):
         self.plan, self.layout, self.device = plan, layout, device
@@ -110,12 +112,18 @@ class LayerExecutor:
         self._error: BaseException | None = None
         k = plan.buffers if self.order else 0
         self.buffers = [self._device_block() for _ in range(k)]
-        self.views = [layout.views(b) for b in self.buffers]
+        # compute-dtype weights of the slots a streamed layer holds in another format, one set
+        # per buffer: the copy side converts each filled block into its buffer's set
+        packed = {s.name: s.shape for i in self.order for s in layout.layouts[i].slots
+                  if s.name in layout.layouts[i].packed}
+        self.scratch = [{n: torch.empty(shape, dtype=layout.layouts[0].dtype, device=self.device)
+                         for n, shape in packed.items()} for _ in range(k)]
+        self._views: dict[tuple[int, int], tuple[LayerWeights, dict]] = {}
         if self.cuda and self.order:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready_events = [torch.cuda.Event() for _ in range(k)]
             self.free_events = [torch.cuda.Event() for _ in range(k)]
-            self.staging = [pinned_block(layout.block_bytes, device) for _ in range(2)] if plan.disk_layers else []
+            self.staging = [pinned_block(layout.max_block, device) for _ in range(2)] if plan.disk_layers else []
             self.staged_events = [torch.cuda.Event() for _ in self.staging]
         self._thread: threading.Thread | None = None
         if self.order:
@@ -153,8 +161,25 @@ class LayerExecutor:
 
     def _device_block(self) -> torch.Tensor:
         if self.cuda:
-            return torch.empty(self.layout.block_bytes, dtype=torch.uint8, device=self.device)
-        return aligned_buffer(self.layout.block_bytes)  # page-aligned: O_DIRECT reads land here
+            return torch.empty(self.layout.max_block, dtype=torch.uint8, device=self.device)
+        return aligned_buffer(self.layout.max_block)  # page-aligned: O_DIRECT reads land here
+
+    def views(self, b: int, layer: int) -> tuple[LayerWeights, dict]:
+        """(the weights a layer in buffer b runs with, its packed slots over the buffer's bytes)."""
+        lay = self.layout.layouts[layer]
+        key = (b, id(lay))
+        if key not in self._views:
+            raw = lay.views(self.buffers[b][:lay.block_bytes])
+            packed = {n: raw[n] for n in lay.packed}
+            weights = {n: self.scratch[b][n] if n in packed else w for n, w in raw.items()}
+            self._views[key] = (weights, packed)
+        return self._views[key]
+
+    def _dequantize(self, layer: int, b: int) -> None:
+        """Turn the packed slots of the block in buffer b into its compute-dtype scratch (on CUDA,
+        queued on the copy stream, so it overlaps the compute of earlier layers)."""
+        for name, p in self.views(b, layer)[1].items():
+            to_dense(p.data, p.fmt, p.shape, p.dtype, out=self.scratch[b][name])
 
     # ---- the compute side -------------------------------------------------------------------
 
@@ -182,7 +207,7 @@ class LayerExecutor:
                         self._filled_ahead -= copied
                     if self.cuda:
                         stream.wait_event(self.ready_events[held])
-                    w = self.views[held]
+                    w = self.views(held, i)[0]
                 start = self.clock.mark(stream)
                 self._pending.append(("stall_seconds", last_end, start))
                 yield w
@@ -281,30 +306,41 @@ class LayerExecutor:
         return self.staging[s], read
 
     def _fill(self, layer: int, b: int, staged: torch.Tensor | None, n: int, read: int) -> tuple[int, int]:
-        """Fill device buffer b with `layer`; returns (bytes read from disk, bytes copied in)."""
-        dest = self.buffers[b]
+        """Fill device buffer b with `layer` (and convert its packed slots); returns (bytes read
+        from disk, bytes copied in)."""
+        size = self.layout.sizes[layer]
+        dest = self.buffers[b][:size]
+        packed = bool(self.layout.layouts[layer].packed)
         if self.cuda:
-            src = staged if staged is not None else self.ram_blocks[layer]
+            src = staged[:size] if staged is not None else self.ram_blocks[layer]
             self.copy_stream.wait_event(self.free_events[b])  # compute is done with this buffer
             start = self.clock.mark(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
                 dest.copy_(src, non_blocking=True)
+                end = self.clock.mark(self.copy_stream)
+                if packed:
+                    self._dequantize(layer, b)
             self.ready_events[b].record(self.copy_stream)
-            end = self.clock.mark(self.copy_stream)
+            converted = self.clock.mark(self.copy_stream)
             if staged is not None:
                 self.staged_events[n % len(self.staging)].record(self.copy_stream)
             with self._lock:
                 self._pending.append(("copy_seconds", start, end))
-            return read, src.numel() * src.element_size()
+                if packed:
+                    self._pending.append(("dequant_seconds", end, converted))
+            return read, size
         t0 = time.perf_counter()
         if layer in self.ram_blocks:
-            src = self.ram_blocks[layer]
-            dest.copy_(src)
-            copied = src.numel() * src.element_size()
+            dest.copy_(self.ram_blocks[layer])
+            copied = size
         else:  # the O_DIRECT read lands in the buffer itself: what was read is what came in
-            read = copied = self.reader.read(layer, dest)
+            read = copied = self.reader.read(layer, self.buffers[b])
+        t1 = time.perf_counter()
+        if packed:
+            self._dequantize(layer, b)
         with self._lock:
-            self.stats.copy_seconds += time.perf_counter() - t0
+            self.stats.copy_seconds += t1 - t0
+            self.stats.dequant_seconds += time.perf_counter() - t1
         return read, copied
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
-from ..formats.checkpoint import Checkpoint, fingerprint, layer_shapes
+from ..formats.checkpoint import fingerprint, layer_shapes, open_checkpoint
 from ..formats.config import ModelConfig
 from ..fsutil import INSTALL_ROOT, cache_root, remove_stale_temps
 from ..runtime.model import Transformer
@@ -107,7 +107,7 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
     dtype = next(iter(tensors.values())).dtype
     from ..formats.config import load_config
     cfg = load_config(target_folder)
-    ckpt = Checkpoint(target_folder, cfg)
+    ckpt = open_checkpoint(target_folder, cfg)
     try:
         embed = ckpt.load(EMBED, torch.float32).to(dtype)
     finally:

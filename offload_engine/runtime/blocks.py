@@ -1,0 +1,107 @@
+"""Weights kept in a storage format (a GGUF block format, or a float narrower than the compute
+dtype) and turned into compute-dtype weights where they are used.
+
+The storage format of each layer tensor is decided from its source format, the compute dtype and
+the `--weights` choice (`storage_format`):
+  * 1-D tensors (norms, biases): the compute dtype, always (they are tiny).
+  * `--weights auto`: the source's own format; a float wider than the compute dtype is stored in
+    the compute dtype (the cast every use would make anyway).
+  * `--weights f32|f16|bf16`: that float (by the same rule), from the source dequantized.
+  * `--weights q8_0|q4_0|q4_1`: those blocks, made by the `gguf` package's quantizers from the
+    source dequantized to float32; a source already in that format is copied as it is.
+
+`to_dense` is the one conversion every path uses (the layer store's streamed layers, resident
+layers kept in blocks, drafts): the float32 dequantization that `gguf.quants.dequantize` defines,
+then a cast to the compute dtype, which is exactly what a resident model built from the
+dequantized weights holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from ..formats import gguf_blocks
+
+FLOAT_FORMATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FORMAT_OF_DTYPE = {v: k for k, v in FLOAT_FORMATS.items()}
+WEIGHTS_CHOICES = ("auto", "bf16", "f16", "f32", "q8_0", "q4_0", "q4_1")
+QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1")  # the formats --weights can make (the gguf package's quantizers)
+
+
+def parse_weights(weights: str | None) -> str:
+    w = "auto" if weights is None else str(weights).lower()
+    if w not in WEIGHTS_CHOICES:
+        raise UserError(f"--weights {weights!r}: choose one of {', '.join(WEIGHTS_CHOICES)}")
+    return w
+
+
+def storage_format(source: str, shape: tuple[int, ...], dtype: torch.dtype, weights: str = "auto") -> str:
+    """The format a layer tensor is stored (and streamed) in; see the module's docstring."""
+    compute = FORMAT_OF_DTYPE[dtype]
+    if len(shape) == 1:
+        return compute
+    fmt = source if weights == "auto" else weights.upper()
+    if fmt in FLOAT_FORMATS:
+        return fmt if FLOAT_FORMATS[fmt].itemsize < dtype.itemsize else compute
+    return fmt
+
+
+def row_bytes(fmt: str, cols: int) -> int:
+    return gguf_blocks.nbytes(fmt, cols)
+
+
+def tensor_bytes(fmt: str, shape: tuple[int, ...]) -> int:
+    rows = shape[0] if len(shape) > 1 else 1
+    return rows * row_bytes(fmt, shape[-1])
+
+
+def check_shape(fmt: str, shape: tuple[int, ...], name: str) -> None:
+    block = gguf_blocks.BLOCK_SIZES[fmt][0]
+    if shape[-1] % block:
+        raise UserError(f"tensor {name}: rows of {shape[-1]} weights are not a whole number of {fmt} blocks "
+                        f"of {block}; choose another --weights")
+
+
+def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float [rows, cols] -> uint8 [rows, bytes per row] in `fmt`, as the gguf package makes it."""
+    from gguf import GGMLQuantizationType, quants
+    if fmt in FLOAT_FORMATS:
+        return w.to(FLOAT_FORMATS[fmt]).contiguous().view(torch.uint8).reshape(w.shape[0], -1)
+    q = quants.quantize(w.float().numpy(), GGMLQuantizationType[fmt])
+    return torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(w.shape[0], -1))
+
+
+def to_dense(data: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored bytes (uint8, any shape holding the tensor's bytes in order) -> [shape] in dtype, on
+    data's device; written into `out` when given."""
+    flat = data.reshape(-1)
+    if fmt in FLOAT_FORMATS:
+        w = flat.view(FLOAT_FORMATS[fmt]).view(shape)
+        return w.to(dtype, copy=True) if out is None else out.copy_(w)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=data.device)
+    if dtype == torch.float32:
+        return gguf_blocks.dequantize_into(flat, fmt, out)
+    return out.copy_(gguf_blocks.dequantize(flat, fmt, shape))
+
+
+class PackedWeight:
+    """A matrix kept in its storage format; `linear` dequantizes it for each use (a resident
+    layer kept in blocks, a draft loaded from a GGUF)."""
+
+    def __init__(self, data: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype: torch.dtype):
+        self.data, self.fmt, self.shape, self.dtype = data, fmt, tuple(shape), dtype
+
+    def dense(self) -> torch.Tensor:
+        return to_dense(self.data, self.fmt, self.shape, self.dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dense(), bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
