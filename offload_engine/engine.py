@@ -20,6 +20,7 @@ from sequoia_trees.sampling import SamplingParams
 from .errors import UserError
 from .formats.checkpoint import fingerprint, open_checkpoint
 from .formats.config import ModelConfig, load_config, parse_dtype
+from .formats.gguf_model import is_sidecar
 from .formats.detokenize import TextStream
 from .formats.tokenizer import Tokenizer
 from .planning.auto_tree import AUTO_MAX_BUDGET
@@ -136,11 +137,20 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
     if str(draft) == "default":
         folder = default_draft_dir(target_folder, progress)
     else:
-        folder = Path(draft).expanduser()
-        if not folder.is_dir():
-            raise UserError(f"--draft {draft}: not a checkpoint folder, 'default', "
+        path = Path(draft).expanduser()
+        if not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
+            raise UserError(f"--draft {draft}: not a checkpoint folder, a .gguf file, 'default', "
                             f"{' or '.join(repr(k) for k in SELF_DRAFTS)}")
+        folder = resolve_target(path, progress)
     draft_cfg = load_config(folder)
+    if is_sidecar(folder):  # resident in its own block formats
+        ckpt = open_checkpoint(folder, draft_cfg)
+        try:
+            layers = store_layout(ckpt, dtype).total_bytes
+        finally:
+            ckpt.close()
+        return model_bytes(draft_cfg, dtype) - draft_cfg.num_layers * model_bytes(draft_cfg, dtype, layers_only=True) \
+            + layers, folder, draft_cfg
     return model_bytes(draft_cfg, dtype), folder, draft_cfg
 
 
@@ -279,7 +289,7 @@ class Engine:
             draft_ckpt = open_checkpoint(s.draft_folder, s.draft_cfg)
             try:
                 draft_ckpt.check()
-                draft_model = Transformer.from_checkpoint(draft_ckpt, s.dtype, s.device)
+                draft_model = Transformer.from_checkpoint(draft_ckpt, s.dtype, s.device, packed=is_sidecar(s.draft_folder))
             finally:
                 draft_ckpt.close()
         ckpt = open_checkpoint(s.folder, s.cfg)

@@ -69,3 +69,25 @@ def test_bad_input_names_the_problem():
         gguf_blocks.dequantize(torch.zeros(35, dtype=torch.uint8), "Q4_0", (2, 32))
     with pytest.raises(ValueError, match="not a whole number of Q4_K blocks"):
         gguf_blocks.nbytes("Q4_K", 300)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED + list(K_QUANTS) + ["F32"])
+def test_dequantize_into_equals_dequantize(qtype):
+    """The streaming path's fewer-pass dequantization (`dequantize_into`) against the plain one."""
+    rng = np.random.default_rng(len(qtype))
+    block, size = gguf_blocks.BLOCK_SIZES[qtype]
+    shape = (3, 2 * max(block, 32))
+    if qtype in K_QUANTS:
+        n = shape[0] * shape[1] // block
+        raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        for lo, hi in K_QUANTS[qtype]:
+            raw[:, lo:hi] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+    elif qtype == "F32":
+        raw = rng.standard_normal(shape).astype(np.float32)
+    else:
+        raw = quants.quantize(rng.standard_normal(shape).astype(np.float32), T[qtype])
+    data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+    want = gguf_blocks.dequantize(data, qtype, shape)
+    out = torch.full(shape, float("nan"))
+    gguf_blocks.dequantize_into(data, qtype, out)
+    np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()))

@@ -324,6 +324,14 @@ def stored_tensor(ckpt, name: str, fmt: str) -> torch.Tensor:
     return quantize(ckpt.load(name, torch.float32), fmt)
 
 
+def packed_layer(ckpt, index: int, layout: LayerLayout, device: torch.device) -> dict:
+    """Layer `index` kept in its stored formats on `device` (one block; packed slots become
+    `PackedWeight`s dequantized per use)."""
+    block = torch.empty(layout.block_bytes, dtype=torch.uint8)
+    layout.pack({s.name: stored_tensor(ckpt, f"model.layers.{index}.{s.name}", s.fmt) for s in layout.slots}, block)
+    return layout.views(block.to(device))
+
+
 def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: str) -> None:
     block = torch.empty(layout.max_block, dtype=torch.uint8)
     bar = tqdm(range(len(layout.layouts)), desc=f"building layer store ({weights} weights)", unit="layer",

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from ..formats.config import ModelConfig
 from ..fsutil import cache_root
-from .layer_store import StoreLayout, aligned_buffer, open_or_build, store_layout, stored_tensor
+from .layer_store import StoreLayout, aligned_buffer, open_or_build, packed_layer, store_layout
 from .model import Transformer, load_globals
 from .placement import PlacementPlan, default_budgets, make_plan, parse_size
 from .streamer import LayerExecutor, pinned_block
@@ -70,10 +70,7 @@ def load_target(ckpt, dtype: torch.dtype, device: torch.device, plan: PlacementP
     resident = {}
     for i in bar:
         if plan.resident_format == "blocks":
-            lay = layout.layouts[i]
-            block = torch.empty(lay.block_bytes, dtype=torch.uint8)
-            lay.pack({s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt) for s in lay.slots}, block)
-            resident[i] = lay.views(block.to(device))
+            resident[i] = packed_layer(ckpt, i, layout.layouts[i], device)
         else:
             resident[i] = ckpt.load_layer(i, dtype, device)
     ram_blocks: dict[int, torch.Tensor] = {}

@@ -148,10 +148,17 @@ class Transformer:
         self.interrupt: threading.Event | None = None
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu") -> "Transformer":
-        """Every weight resident on `device`."""
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",
+                        packed: bool = False) -> "Transformer":
+        """Every weight resident on `device`: dequantized to `dtype` once, or (packed) each layer
+        kept in its checkpoint's own formats and dequantized per use (a draft loaded from a GGUF)."""
         device = torch.device(device)
-        layers = [ckpt.load_layer(i, dtype, device) for i in range(ckpt.config.num_layers)]
+        if packed:
+            from .layer_store import packed_layer, store_layout
+            layout = store_layout(ckpt, dtype)
+            layers = [packed_layer(ckpt, i, layout.layouts[i], device) for i in range(ckpt.config.num_layers)]
+        else:
+            layers = [ckpt.load_layer(i, dtype, device) for i in range(ckpt.config.num_layers)]
         return cls(ckpt.config, load_globals(ckpt, dtype, device), layers, dtype, device)
 
     def new_cache(self, capacity: int) -> KVCache:

@@ -121,11 +121,14 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
-def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of a whole model held resident in `dtype` (e.g. a draft): every tensor, no padding."""
-    from ..formats.checkpoint import global_shapes, layer_shapes
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype, layers_only: bool = False) -> int:
+    """Bytes of a whole model held resident in `dtype` (e.g. a draft): every tensor, no padding
+    (layers_only: one decoder layer's)."""
+    from ..formats.checkpoint import global_shapes
     elt = torch.empty((), dtype=dtype).element_size()
     count = lambda shapes: sum(math.prod(s) for s in shapes.values())  # noqa: E731
+    if layers_only:
+        return count(layer_shapes(cfg)) * elt
     return (count(global_shapes(cfg)) + cfg.num_layers * count(layer_shapes(cfg))) * elt
 
 
@@ -194,11 +197,11 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
     # per-use dequantization of a resident matrix needs its dense copy for the while: the largest
     biggest = max(math.prod(s) for s in layer_shapes(cfg).values()) * dtype.itemsize if scratch else 0
     blocks_fit = lambda room, n: sum(sizes[:n]) <= room  # noqa: E731
+    if offload in ("none", "auto") and scratch and need + biggest + sum(sizes) <= vram_bytes:
+        fixed["dequant scratch (one matrix)"] = biggest  # every layer resident, in its blocks
+        return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes,
+                             resident_format="blocks", **common)
     if offload == "none":
-        if scratch and need + biggest + sum(sizes) <= vram_bytes:
-            fixed["dequant scratch (one matrix)"] = biggest
-            return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes,
-                                 resident_format="blocks", **common)
         raise UserError(f"--offload none: the whole model needs {fmt_bytes(need + L * dense)} on the device "
                         f"({fmt_bytes(L * dense)} of layers + {_parts(fixed)}), more than --vram "
                         f"{fmt_bytes(vram_bytes)}")
