@@ -47,6 +47,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens decoded by each system in (d)")
     p.add_argument("--no-peer", action="store_true", help="skip the HF Accelerate comparison")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    p.add_argument("--weights", default=None,
+                   help="compare stored formats in one run instead: a comma list of --weights values (e.g. "
+                        "f32,bf16,q8_0,auto,q4_0); bytes per pass and pass time per format and width, each "
+                        "against the first, measured round-robin")
 
 
 def raw_read_seconds(store, reader, buf) -> float:
@@ -66,15 +70,15 @@ def raw_mover(engine, store):
     if plan.disk_layers:
         # one long-lived buffer, like the executor's own: O_DIRECT into a freshly mapped buffer
         # sometimes ran at half speed for its whole life on this project's machines
-        buf, reader = aligned_buffer(store.layout.block_bytes), store.reader(direct=True)
+        buf, reader = aligned_buffer(store.layout.max_block), store.reader(direct=True)
         return lambda: raw_read_seconds(store, reader, buf)
-    dest = torch.empty(store.layout.block_bytes, dtype=torch.uint8, device=engine.model.device)
+    dest = torch.empty(store.layout.max_block, dtype=torch.uint8, device=engine.model.device)
     blocks = [executor.ram_blocks[i] for i in plan.ram_layers]
 
     def copy_all() -> float:
         t0 = time.perf_counter()
         for b in blocks:
-            dest.copy_(b, non_blocking=True)
+            dest[:b.numel()].copy_(b, non_blocking=True)
         if dest.is_cuda:
             torch.cuda.current_stream().synchronize()
         return time.perf_counter() - t0
@@ -151,7 +155,12 @@ def accelerate_per_token(folder: Path, prompt_ids: list[int], tokens: int, tier:
     import torch
     import transformers
     from accelerate import cpu_offload, disk_offload
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    from offload_engine.formats.gguf_model import SIDECAR_FILE
+    if (folder / SIDECAR_FILE).is_file():  # a GGUF model: transformers dequantizes the file itself
+        gguf = Path(json.loads((folder / SIDECAR_FILE).read_text())["file"])
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     with tempfile.TemporaryDirectory(prefix="accelerate-offload-", dir=os.environ.get("BENCH_TMP")) as off:
         if tier == "disk":
             disk_offload(model, off, execution_device=device)
@@ -180,19 +189,25 @@ def accelerate_per_token(folder: Path, prompt_ids: list[int], tokens: int, tier:
     return (total - prefill) / tokens, new
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+def _engine_and_store(args: argparse.Namespace, weights: str = "auto"):
     from offload_engine import Engine
-    from offload_engine.formats.checkpoint import Checkpoint
+    from offload_engine.formats.checkpoint import open_checkpoint
     from offload_engine.fsutil import cache_root
     from offload_engine.runtime.layer_store import open_or_build
-
-    torch.manual_seed(0)
     engine = Engine.load(args.target, device=args.device, offload=args.offload, buffers=args.buffers,
-                         max_context=args.prefix + max(int(w) for w in args.widths.split(",")) + 8)
+                         max_context=args.prefix + max(int(w) for w in args.widths.split(",")) + 8, weights=weights)
+    store = open_or_build(open_checkpoint(engine.folder, engine.config), engine.model.dtype, cache_root() / "stores",
+                          progress=False, weights=weights)
+    return engine, store
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    if args.weights:
+        return run_weights(args)
+    torch.manual_seed(0)
+    engine, store = _engine_and_store(args)
     plan = engine.plan
-    store = open_or_build(Checkpoint(engine.folder, engine.config), engine.model.dtype, cache_root() / "stores",
-                          progress=False)
     raw = raw_mover(engine, store)
     measured = [measure_width(engine, raw, int(w), args.prefix, args.repeats) for w in args.widths.split(",")]
     floor = min(min(m["raws"] + m["nulls"] + m["passes"]) for m in measured)  # the run's best, all widths
@@ -220,6 +235,62 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def run_weights(args: argparse.Namespace) -> int:
+    """Every --weights format of the list loaded at once, measured round-robin (format by format
+    within each repeat) so that the machine's drift affects all alike; medians per width."""
+    import torch
+    torch.manual_seed(0)
+    formats = [f.strip() for f in args.weights.split(",") if f.strip()]
+    widths = [int(w) for w in args.widths.split(",")]
+    loaded = {f: _engine_and_store(args, f) for f in formats}
+    movers = {f: raw_mover(e, s) for f, (e, s) in loaded.items()}
+    passes = {f: {w: [] for w in widths} for f in formats}
+    raws = {f: [] for f in formats}
+    before = {f: e.model.layers.snapshot() for f, (e, _) in loaded.items()}
+    for _ in range(args.repeats):
+        for f in formats:
+            for w in widths:
+                m = measure_width(loaded[f][0], movers[f], w, args.prefix, 1)
+                passes[f][w] += m["passes"]
+                raws[f] += m["raws"]
+    rows = []
+    for f in formats:
+        engine = loaded[f][0]
+        moved = engine.model.layers.snapshot().minus(before[f])
+        n = max(1, moved.target_passes)
+        rows.append({"weights": f, "stored": engine.plan.weights, "bytes_per_pass": engine.plan.bytes_per_pass,
+                     "measured_bytes_per_pass": moved.bytes_streamed / n,
+                     "raw_read_seconds": min(raws[f]),
+                     "pass_seconds": {w: statistics.median(passes[f][w]) for w in widths},
+                     "dequant_seconds_per_pass": moved.dequant_seconds / n,
+                     "stall_seconds_per_pass": moved.stall_seconds / n})
+        engine.close()
+    result = {"target": str(loaded[formats[0]][0].folder), "tier": args.offload, "device": args.device,
+              "buffers": loaded[formats[0]][0].plan.buffers, "prefix": args.prefix, "repeats": args.repeats,
+              "steady_passes": STEADY, "widths": widths, "formats": rows, "machine": _machine()}
+    print(_weights_markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _weights_markdown(r: dict) -> str:
+    base = r["formats"][0]
+    lines = [f"target: {r['target']} on {r['device']}; every layer streamed from {r['tier']} each pass; "
+             f"{r['buffers']} buffers; prefix {r['prefix']} tokens; medians of {r['repeats']} x {r['steady_passes']} "
+             f"steady passes, formats measured round-robin", "",
+             "| --weights | stored | MB per pass | vs first | best raw read (s) | "
+             + " | ".join(f"pass w={w} (s) | vs first" for w in r["widths"]) + " | dequant per pass (s) |",
+             "|---|---|---:|---:|---:|" + "---:|---:|" * len(r["widths"]) + "---:|"]
+    for f in r["formats"]:
+        cells = " | ".join(f"{f['pass_seconds'][w]:.3f} | {f['pass_seconds'][w] / base['pass_seconds'][w]:.2f}x"
+                           for w in r["widths"])
+        lines.append(f"| {f['weights']} | {f['stored']} | {f['bytes_per_pass'] / 1e6:.1f} | "
+                     f"{f['bytes_per_pass'] / base['bytes_per_pass']:.3f}x | {f['raw_read_seconds']:.3f} | {cells} | "
+                     f"{f['dequant_seconds_per_pass']:.3f} |")
+    return "\n".join(lines)
 
 
 def _machine() -> dict:

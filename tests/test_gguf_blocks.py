@@ -71,12 +71,14 @@ def test_bad_input_names_the_problem():
         gguf_blocks.nbytes("Q4_K", 300)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("qtype", QUANTIZED + list(K_QUANTS) + ["F32"])
-def test_dequantize_into_equals_dequantize(qtype):
-    """The streaming path's fewer-pass dequantization (`dequantize_into`) against the plain one."""
+def test_dequantize_into_equals_dequantize(qtype, native):
+    """The streaming path's dequantization (`dequantize_into`: the compiled loop, or fewer torch
+    passes) against the plain one, on blocks with every code and scale pattern at random."""
     rng = np.random.default_rng(len(qtype))
     block, size = gguf_blocks.BLOCK_SIZES[qtype]
-    shape = (3, 2 * max(block, 32))
+    shape = (3, 40 * max(block, 32))  # 120 blocks or more
     if qtype in K_QUANTS:
         n = shape[0] * shape[1] // block
         raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
@@ -89,5 +91,32 @@ def test_dequantize_into_equals_dequantize(qtype):
     data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
     want = gguf_blocks.dequantize(data, qtype, shape)
     out = torch.full(shape, float("nan"))
-    gguf_blocks.dequantize_into(data, qtype, out)
+    gguf_blocks.dequantize_into(data, qtype, out, native=native)
     np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()))
+
+
+def test_the_compiled_dequantizer_is_built_where_a_compiler_is():
+    """This project's machines have a C compiler: the fast path must be there, not silently off."""
+    import shutil
+
+    from offload_engine.formats import gguf_native
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the torch path runs (tested above)")
+    assert gguf_native.available(), gguf_native.why_not()
+
+
+def test_compiled_half_conversion_is_exact_for_every_half():
+    """Q8_0 blocks whose codes are all 1 hold their scale as every weight: for all 65,536 halves
+    (subnormals, infinities and NaNs) the weights are the gguf package's (whose multiplication
+    by the code makes a signalling NaN quiet, as ours does). Many blocks: the threaded branch."""
+    from offload_engine.formats import gguf_native
+    if not gguf_native.available():
+        pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
+    halves = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    blocks = np.zeros((2**16, 34), dtype=np.uint8)
+    blocks[:, :2] = halves.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = 1
+    out = torch.empty(2**16 * 32)
+    assert gguf_native.dequantize_into(torch.from_numpy(blocks.reshape(-1)), "Q8_0", out)
+    want = quants.dequantize(blocks, T.Q8_0).reshape(-1)
+    np.testing.assert_array_equal(_bits(out.numpy()), _bits(want))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from . import gguf_native
+
 QK_K = 256
 # name: (weights per block, bytes per block)
 BLOCK_SIZES = {
@@ -133,10 +135,13 @@ def _codes(qs: torch.Tensor, qh: torch.Tensor | None = None) -> torch.Tensor:
     return q
 
 
-def dequantize_into(data: torch.Tensor, qtype: str, out: torch.Tensor) -> torch.Tensor:
-    """`dequantize` written into a float32 tensor `out` (any shape holding the weights in order),
-    with fewer passes over memory for the 32-weight formats; bitwise the same values (the same
-    float32 multiplications and additions, never fused; tests/test_gguf_blocks.py)."""
+def dequantize_into(data: torch.Tensor, qtype: str, out: torch.Tensor, native: bool = True) -> torch.Tensor:
+    """`dequantize` written into a float32 tensor `out` (any shape holding the weights in order):
+    on the CPU by the compiled loop of gguf_native.c where it is available (native=True), else
+    with fewer torch passes over memory for the 32-weight formats; bitwise the same values either
+    way (the same float32 multiplications and additions, never fused; tests/test_gguf_blocks.py)."""
+    if native and gguf_native.dequantize_into(data, qtype, out):  # one pass over memory, compiled
+        return out
     size = BLOCK_SIZES[qtype][1]
     b = data.reshape(-1, size)
     n = b.shape[0]

@@ -1,0 +1,150 @@
+/* GGUF block formats dequantized to float32 in one pass over memory: the CPU fast path of
+ * formats/gguf_blocks.py (`dequantize_into`), compiled once per machine by gguf_native.py.
+ *
+ * Every value is the one formats/gguf_blocks.py's torch code and the gguf package's reference
+ * compute: the same float32 multiplications and additions in the same order. The build passes
+ * -ffp-contract=off so that no multiply-add is fused (a fused one rounds once, not twice), and
+ * the tests compare every format bit for bit against the torch path.
+ *
+ * Layouts (llama.cpp's ggml-common.h) are described in gguf_blocks.py.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* IEEE half -> float, exact for every half (subnormals, infinities and NaN payloads included). */
+static inline float half_to_float(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: man * 2^-24, renormalised */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) { /* infinity or NaN, its payload kept */
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void q8_0(const uint8_t *b, float *w) {
+    float d = half_to_float(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int i = 0; i < 32; i++) w[i] = (float)q[i] * d;
+}
+
+static void q4(const uint8_t *b, float *w, int with_min) {
+    float d = half_to_float(b), m = with_min ? half_to_float(b + 2) : 0.0f;
+    const uint8_t *qs = b + (with_min ? 4 : 2);
+    if (with_min) {
+        for (int i = 0; i < 16; i++) {
+            w[i] = d * (float)(qs[i] & 0x0f);
+            w[i] = w[i] + m;
+            w[i + 16] = d * (float)(qs[i] >> 4);
+            w[i + 16] = w[i + 16] + m;
+        }
+    } else {
+        for (int i = 0; i < 16; i++) {
+            w[i] = d * (float)((int)(qs[i] & 0x0f) - 8);
+            w[i + 16] = d * (float)((int)(qs[i] >> 4) - 8);
+        }
+    }
+}
+
+static void q5(const uint8_t *b, float *w, int with_min) {
+    float d = half_to_float(b), m = with_min ? half_to_float(b + 2) : 0.0f;
+    const uint8_t *p = b + (with_min ? 4 : 2);
+    uint32_t qh = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+    const uint8_t *qs = p + 4;
+    for (int i = 0; i < 32; i++) {
+        int q = (i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4)) | (int)(((qh >> i) & 1u) << 4);
+        if (with_min) {
+            w[i] = d * (float)q;
+            w[i] = w[i] + m;
+        } else {
+            w[i] = d * (float)(q - 16);
+        }
+    }
+}
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32, six-bit scale and minimum each. */
+static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+static void q45_k(const uint8_t *b, float *w, int five) {
+    float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k_scale_min(scales, j, &sc, &mn);
+        float dd = d * (float)sc, dm = dmin * (float)mn;
+        const uint8_t *src = qs + (j / 2) * 32;
+        for (int l = 0; l < 32; l++) {
+            int q = (j & 1) ? (src[l] >> 4) : (src[l] & 0x0f);
+            if (five) q |= ((qh[l] >> j) & 1) << 4;
+            float x = dd * (float)q;
+            w[j * 32 + l] = x - dm;
+        }
+    }
+}
+
+static void q6_k(const uint8_t *b, float *w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    float d = half_to_float(b + 208);
+    float ds[16];
+    for (int j = 0; j < 16; j++) ds[j] = d * (float)scales[j];
+    for (int i = 0; i < 256; i++) {
+        int h = i / 128, r = i % 128;
+        int low = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0f;
+        int high = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+        int q = (int)(int8_t)(uint8_t)(low | (high << 4)) - 32;
+        w[i] = ds[i / 16] * (float)q;
+    }
+}
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+static const int BLOCK_BYTES[] = {34, 18, 20, 22, 24, 144, 176, 210};
+static const int BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 256, 256, 256};
+
+/* `n_blocks` blocks of format `kind` from `src` into `dst` (n_blocks * weights per block
+ * floats); `threads` > 1 splits the blocks. Returns 0, or -1 for an unknown kind. */
+int dequantize(const uint8_t *src, float *dst, int64_t n_blocks, int kind, int threads) {
+    if (kind < 0 || kind > Q6_K) return -1;
+    const int64_t size = BLOCK_BYTES[kind], per = BLOCK_WEIGHTS[kind];
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n_blocks > 4096)
+#endif
+    for (int64_t i = 0; i < n_blocks; i++) {
+        const uint8_t *b = src + i * size;
+        float *w = dst + i * per;
+        switch (kind) {
+            case Q8_0: q8_0(b, w); break;
+            case Q4_0: q4(b, w, 0); break;
+            case Q4_1: q4(b, w, 1); break;
+            case Q5_0: q5(b, w, 0); break;
+            case Q5_1: q5(b, w, 1); break;
+            case Q4_K: q45_k(b, w, 0); break;
+            case Q5_K: q45_k(b, w, 1); break;
+            default: q6_k(b, w); break;
+        }
+    }
+    return 0;
+}
