@@ -269,6 +269,23 @@ def test_weights_quantize_a_16_bit_checkpoint_at_store_build(tmp_path, cache_hom
     ckpt.close()
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_torch_quantizers_make_the_gguf_packages_bytes(qtype):
+    """Random rows of many scales, blocks of zeros, of one repeated value, of halves (ties at every
+    rounding step), of a denormal: bit for bit what `gguf.quants.quantize` writes."""
+    from offload_engine.runtime.blocks import quantize
+    rng = np.random.default_rng(len(qtype))
+    w = (rng.standard_normal((64, 256)) * rng.uniform(1e-3, 10, (64, 1))).astype(np.float32)
+    w[0, :32] = 0
+    w[1, 32:64] = -3.0
+    w[2] = rng.integers(-16, 16, 256) / 2
+    w[3, :32] = np.linspace(-1, 1, 32)
+    w[4, :32] = 1e-40
+    with np.errstate(all="ignore"):
+        want = gguf.quants.quantize(w, Q[qtype]).view(np.uint8).reshape(64, -1)
+    assert np.array_equal(quantize(torch.from_numpy(w), qtype).numpy(), want)
+
+
 def test_to_dense_into_a_bfloat16_scratch_is_the_cast_of_the_float32_dequantization():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((4, 64)).astype(np.float32)

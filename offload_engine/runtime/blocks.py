@@ -13,17 +13,19 @@ the `--weights` choice (`storage_format`):
 `to_dense` is the one conversion every path uses (the layer store's streamed layers, resident
 layers kept in blocks, drafts): the float32 dequantization that `gguf.quants.dequantize` defines,
 then a cast to the compute dtype, which is exactly what a resident model built from the
-dequantized weights holds.
+dequantized weights holds. It runs as one fused Triton kernel per format on a GPU
+(runtime/triton_dequant.py), the compiled loop of formats/gguf_native.c on the CPU, and torch
+ops where neither is available; all give the same bits.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
 from ..formats import gguf_blocks
+from . import triton_dequant
 
 FLOAT_FORMATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 FORMAT_OF_DTYPE = {v: k for k, v in FLOAT_FORMATS.items()}
@@ -66,12 +68,40 @@ def check_shape(fmt: str, shape: tuple[int, ...], name: str) -> None:
 
 
 def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """float [rows, cols] -> uint8 [rows, bytes per row] in `fmt`, as the gguf package makes it."""
-    from gguf import GGMLQuantizationType, quants
+    """float [rows, cols] -> uint8 [rows, bytes per row] in `fmt`, the bytes the `gguf` package's
+    quantizers make (tests/test_quantized_weights.py compares them): its float32 operations, in
+    torch, on w's device, so a 70B store builds in minutes rather than the numpy code's hour."""
+    rows = w.shape[0]
     if fmt in FLOAT_FORMATS:
-        return w.to(FLOAT_FORMATS[fmt]).contiguous().view(torch.uint8).reshape(w.shape[0], -1)
-    q = quants.quantize(w.float().numpy(), GGMLQuantizationType[fmt])
-    return torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(w.shape[0], -1))
+        return w.to(FLOAT_FORMATS[fmt]).contiguous().view(torch.uint8).reshape(rows, -1)
+    if fmt not in QUANTIZERS:
+        raise ValueError(f"cannot quantize to {fmt} (only {', '.join(QUANTIZERS)})")
+    blocks = w.float().reshape(-1, 32)
+    zero = torch.zeros((), device=w.device)
+    if fmt == "Q8_0":  # d = max|x| / 127, q = roundf(x / d) (half away from zero)
+        d = blocks.abs().amax(dim=1, keepdim=True) / 127
+        inv = torch.where(d == 0, zero, 1 / d)
+        x = blocks * inv
+        a = x.abs()
+        floored = a.floor()
+        q = (torch.sign(x) * (floored + (2 * (a - floored)).floor())).to(torch.int8).view(torch.uint8)
+        parts = [d.half().view(torch.uint8), q]
+    else:
+        if fmt == "Q4_0":  # d = (the value of largest magnitude) / -8, q = trunc(x / d + 8.5)
+            big = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))
+            d = big / -8
+            inv = torch.where(d == 0, zero, 1 / d)
+            q = (blocks * inv + 8.5).trunc()
+            head = [d.half().view(torch.uint8)]
+        else:  # Q4_1: d = (max - min) / 15, q = trunc((x - min) / d + 0.5), m = min
+            hi, lo = blocks.amax(dim=1, keepdim=True), blocks.amin(dim=1, keepdim=True)
+            d = (hi - lo) / 15
+            inv = torch.where(d == 0, zero, 1 / d)
+            q = ((blocks - lo) * inv + 0.5).trunc()
+            head = [d.half().view(torch.uint8), lo.half().view(torch.uint8)]
+        q = q.to(torch.uint8).clamp_(0, 15)
+        parts = head + [q[:, :16] | (q[:, 16:] << 4)]
+    return torch.cat(parts, dim=1).reshape(rows, -1)
 
 
 def to_dense(data: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -84,9 +114,11 @@ def to_dense(data: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype: torch.
         return w.to(dtype, copy=True) if out is None else out.copy_(w)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=data.device)
+    if data.is_cuda and triton_dequant.dequantize_into(flat, fmt, out):  # one fused kernel
+        return out
     if dtype == torch.float32:
         return gguf_blocks.dequantize_into(flat, fmt, out)
-    return out.copy_(gguf_blocks.dequantize(flat, fmt, shape))
+    return out.copy_(gguf_blocks.dequantize_into(flat, fmt, torch.empty(shape, device=data.device)))
 
 
 class PackedWeight:

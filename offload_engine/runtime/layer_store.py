@@ -289,8 +289,9 @@ def _valid(folder: Path, layout: StoreLayout) -> bool:
 
 
 def open_or_build(ckpt, dtype: torch.dtype, root: Path, progress: bool = True, weights: str = "auto",
-                  layout: StoreLayout | None = None) -> LayerStore:
-    """The store for (checkpoint, dtype, weights) under `root`, built first if missing or invalid."""
+                  layout: StoreLayout | None = None, device: torch.device | None = None) -> LayerStore:
+    """The store for (checkpoint, dtype, weights) under `root`, built first if missing or invalid
+    (quantizing on `device` when given: a GPU makes a 70B store in minutes)."""
     layout = layout or store_layout(ckpt, dtype, weights)
     key = store_key(ckpt.folder, (ckpt.folder / "config.json").read_bytes(), dtype, weights)
     target = root / f"{ckpt.folder.resolve().name}-{key}"
@@ -303,7 +304,7 @@ def open_or_build(ckpt, dtype: torch.dtype, root: Path, progress: bool = True, w
     tmp = root / f".{target.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        _write_store(ckpt, layout, tmp, progress, weights)
+        _write_store(ckpt, layout, tmp, progress, weights, device)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -314,14 +315,15 @@ def open_or_build(ckpt, dtype: torch.dtype, root: Path, progress: bool = True, w
     return LayerStore(target, layout)
 
 
-def stored_tensor(ckpt, name: str, fmt: str) -> torch.Tensor:
-    """A tensor's bytes in storage format `fmt`: the checkpoint's own blocks when it holds that
-    format, else its weights (cast, or dequantized to float32 and quantized by the gguf package)."""
+def stored_tensor(ckpt, name: str, fmt: str, device: torch.device | None = None) -> torch.Tensor:
+    """A tensor's bytes in storage format `fmt` (on the CPU): the checkpoint's own blocks when it
+    holds that format, else its weights cast, or dequantized to float32 and quantized as the gguf
+    package does (`blocks.quantize`, on `device` when given)."""
     if fmt in FLOAT_FORMATS:
         return ckpt.load(name, FLOAT_FORMATS[fmt])
     if hasattr(ckpt, "raw") and ckpt.qtype(name) == fmt:
         return ckpt.raw(name)
-    return quantize(ckpt.load(name, torch.float32), fmt)
+    return quantize(ckpt.load(name, torch.float32, device or "cpu"), fmt).cpu()
 
 
 def packed_layer(ckpt, index: int, layout: LayerLayout, device: torch.device) -> dict:
@@ -332,14 +334,15 @@ def packed_layer(ckpt, index: int, layout: LayerLayout, device: torch.device) ->
     return layout.views(block.to(device))
 
 
-def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: str) -> None:
+def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: str,
+                 device: torch.device | None) -> None:
     block = torch.empty(layout.max_block, dtype=torch.uint8)
     bar = tqdm(range(len(layout.layouts)), desc=f"building layer store ({weights} weights)", unit="layer",
                leave=False, disable=None if progress else True)
     with open(tmp / "layers.bin", "wb") as f:
         for i in bar:
             lay = layout.layouts[i]
-            stored = {s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt) for s in lay.slots}
+            stored = {s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt, device) for s in lay.slots}
             lay.pack(stored, block[:lay.block_bytes])
             f.write(memoryview(block[:lay.block_bytes].numpy()))
         f.flush()

@@ -76,7 +76,8 @@ def load_target(ckpt, dtype: torch.dtype, device: torch.device, plan: PlacementP
     ram_blocks: dict[int, torch.Tensor] = {}
     reader = None
     if plan.streamed_layers:
-        store = open_or_build(ckpt, dtype, opts.store_root or cache_root() / "stores", progress, opts.weights, layout)
+        store = open_or_build(ckpt, dtype, opts.store_root or cache_root() / "stores", progress, opts.weights, layout,
+                              device if device.type == "cuda" else None)
         for i in plan.ram_layers:
             ram_blocks[i] = store.load_block(i, _host_block(layout.sizes[i], device))
         if plan.disk_layers:
