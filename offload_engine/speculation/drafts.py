@@ -65,9 +65,10 @@ def check_group_size(cfg: ModelConfig, group_size: int) -> None:
                             f"({cfg.hidden_size} hidden, {cfg.intermediate_size} intermediate); try 32 or 64")
 
 
-def build_self_draft(ckpt: Checkpoint, target: Transformer, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
+def build_self_draft(ckpt, target: Transformer, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
                      backend: str = "auto") -> Transformer:
-    """Quantise the target's layers one at a time, from the checkpoint's own precision."""
+    """Quantise the target's layers one at a time, from the checkpoint's own precision (a `Checkpoint`,
+    or a `GGUFCheckpoint`, whose weights come dequantized)."""
     cfg = ckpt.config
     layers = []
     for i in range(cfg.num_layers):
