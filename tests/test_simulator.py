@@ -96,3 +96,26 @@ def test_cli_json_and_errors(capsys):
     assert main(["simulate", "--gpu", "rtx3090", "--ram", "256GiB", "--draft", "none", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)  # strict JSON: no Infinity
     assert plain["tree"]["budget"] == 1 and plain["speedup"] == pytest.approx(1.0)
+
+
+def test_gguf_precisions_use_their_real_bits_and_pay_their_dequantization():
+    """--precision q4_k and friends: layer bytes at the format's bits per weight (norms fp16), a
+    pass that moves those bytes, and each layer's dequantization counted in its compute."""
+    from offload_engine.formats.gguf_blocks import bits_per_weight
+    from offload_engine.planning.hw_profile import load_gpu_spec, load_model_shape
+    _, cfg = load_model_shape("llama-3.1-70b")
+    fp16 = simulator.layer_bytes(cfg, "fp16")
+    for fmt in ("q8_0", "q4_0", "q4_k", "q6_k"):
+        ratio = simulator.layer_bytes(cfg, fmt) / fp16
+        assert abs(ratio - bits_per_weight(fmt.upper()) / 16) < 1e-3, (fmt, ratio)
+    gpu = load_gpu_spec("rtx4090")
+    assert simulator.dequant_s(cfg, "q4_k", gpu) > 0 == simulator.dequant_s(cfg, "fp16", gpu)
+    runs = {p: simulator.simulate("rtx4090", 64 * GIB, "llama-3.1-70b", None, precision=p) for p in ("q8_0", "q4_k")}
+    assert runs["q4_k"].plan.bytes_per_pass < 0.6 * runs["q8_0"].plan.bytes_per_pass
+    assert runs["q4_k"].plain_seconds_per_token < runs["q8_0"].plain_seconds_per_token
+    # a draft kept in q8_0 blocks is counted at its block size and pays dequantization per level
+    a = simulator.simulate("rtx4090", 64 * GIB, "llama-3.1-70b", "llama-3.2-1b", precision="q4_k")
+    b = simulator.simulate("rtx4090", 64 * GIB, "llama-3.1-70b", "llama-3.2-1b", precision="q4_k",
+                           draft_precision="q8_0")
+    assert b.plan.fixed_bytes["draft"] < 0.7 * a.plan.fixed_bytes["draft"]  # its embeddings stay fp16
+    assert b.timings.draft_seconds[0] > a.timings.draft_seconds[0]

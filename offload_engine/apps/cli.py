@@ -165,8 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--vram", default=None, help="device budget (default: the GPU's memory minus 1 GiB)")
     sim.add_argument("--model", default="llama-2-70b", help="target shape preset (default llama-2-70b)")
     sim.add_argument("--draft", default="llama-2-7b", help="draft shape preset, or 'none' (default llama-2-7b)")
-    sim.add_argument("--precision", default="fp16", choices=("fp16", "int8", "int4"),
-                     help="the target's weights as streamed (default fp16)")
+    sim.add_argument("--precision", default="fp16", choices=("fp16", "int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0",
+                                                              "q5_1", "q4_k", "q5_k", "q6_k"),
+                     help="the target's weights as streamed (default fp16); q* are the GGUF block formats "
+                          "the runtime streams as they are, at their real bits per weight, dequantized on the GPU")
+    sim.add_argument("--draft-precision", default="fp16", choices=("fp16", "int8", "int4", "q8_0", "q4_0", "q4_1",
+                                                                    "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"),
+                     help="the draft's weights, resident (default fp16; q*: a GGUF draft kept in its blocks)")
     sim.add_argument("--offload", default="auto", choices=("auto", "ram", "disk"),
                      help="auto: as many layers resident as fit, the rest streamed; ram: every layer streamed")
     sim.add_argument("--acceptance", default=None, help="acceptance vector JSON (default: the Sequoia paper's "
@@ -447,7 +452,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sim = simulator.simulate(args.gpu, parse_size(args.ram), args.model,
                                  None if args.draft in (None, "none") else args.draft, args.precision,
                                  args.acceptance, args.offload, parse_size(args.vram) if args.vram else None, tree,
-                                 args.tokens_per_step, args.max_budget, args.max_depth, a)
+                                 args.tokens_per_step, args.max_budget, args.max_depth, a, args.draft_precision)
     print(json.dumps(sim.as_dict(), indent=2) if args.json else sim.report())
     return 0
 

@@ -15,6 +15,10 @@ The model of a target pass over n tokens, layer by layer (REFERENCES.md 3):
   * plus the head over n rows. A draft level of w nodes is a resident pass of the draft over w.
 `--precision int8|int4` streams (and keeps resident) the target's layers at that size (int4:
 groups of 64, scales and minima in fp16): only the bytes change; compute stays fp16.
+`--precision q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k` are the GGUF block formats the runtime
+streams as they are (runtime/blocks.py), at their real bits per weight (q4_k: 4.5; norms fp16);
+each layer also pays its dequantization into fp16 weights (the fused kernel reads the blocks and
+writes 2 bytes a weight at memory bandwidth) before the fp16 matmuls read those.
 Assumptions, all flags: mfu 0.5, 0.1 ms per layer of launch overhead, NVMe 6 GB/s, a 1 ms step
 overhead per speculation step, 8 GiB of host RAM kept for the OS.
 """
@@ -35,6 +39,7 @@ from sequoia_trees.optimizer import Choice, Timings, choose, evaluate
 
 from ..errors import UserError
 from ..formats.checkpoint import global_shapes, layer_shapes
+from ..formats import gguf_blocks
 from ..formats.config import ModelConfig
 from ..runtime.placement import DEVICE_MARGIN_BYTES, GIB, PlacementPlan, fmt_bytes, make_plan
 from ..runtime.quant import quantized_bytes
@@ -44,7 +49,9 @@ from .hw_profile import PROFILES_DIR, GpuSpec, MeasuredProfile, load_gpu_spec, l
 
 TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PRECISIONS = {"fp16": 2, "int8": 1, "int4": 0.5}
+GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+PRECISIONS = {"fp16": 2.0, "int8": 1.0, "int4": 0.5,
+              **{f: gguf_blocks.bits_per_weight(f.upper()) / 8 for f in GGUF_FORMATS}}  # bytes a weight
 PUBLISHED_DIR = PROFILES_DIR / "published"
 DEFAULT_ACCEPTANCE = PUBLISHED_DIR / "sequoia-paper__llama3-70b-instruct__llama3-8b-instruct__t0.json"
 
@@ -68,11 +75,20 @@ def layer_bytes(cfg: ModelConfig, precision: str) -> int:
         raise UserError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     total = 0
     for name, shape in layer_shapes(cfg).items():
-        if len(shape) == 2 and precision != "fp16":
+        if len(shape) == 2 and precision in GGUF_FORMATS:
+            total += math.ceil(math.prod(shape) * PRECISIONS[precision])
+        elif len(shape) == 2 and precision != "fp16":
             total += quantized_bytes(shape[0], shape[1], precision, 64)
         else:
             total += math.prod(shape) * 2
     return total
+
+
+def dequant_s(cfg: ModelConfig, precision: str, gpu: GpuSpec) -> float:
+    """One layer's blocks turned into fp16 weights: read the blocks, write 2 bytes a weight."""
+    if precision not in GGUF_FORMATS:
+        return 0.0
+    return (layer_bytes(cfg, precision) + 2 * layer_params(cfg)) / (gpu.mem_gb_per_s * 1e9)
 
 
 def model_bytes(cfg: ModelConfig, precision: str) -> int:
@@ -93,7 +109,10 @@ def _head_s(cfg: ModelConfig, n: int, gpu: GpuSpec, a: Assumptions) -> float:
 def target_pass_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, n: int, gpu: GpuSpec,
                   a: Assumptions) -> float:
     params, lb = layer_params(cfg), layer_bytes(cfg, precision)
-    compute = _compute_s(params, lb, n, gpu, a) + a.layer_overhead_s
+    if precision in GGUF_FORMATS:  # dequantized, then fp16 matmuls over the dense weights
+        compute = _compute_s(params, 2 * params, n, gpu, a) + dequant_s(cfg, precision, gpu) + a.layer_overhead_s
+    else:
+        compute = _compute_s(params, lb, n, gpu, a) + a.layer_overhead_s
     ram_copy = lb / (gpu.h2d_pinned_gb_per_s * 1e9)
     disk_copy = lb / (min(a.nvme_gb_per_s, gpu.h2d_pinned_gb_per_s) * 1e9)
     t = len(plan.resident_layers) * compute
@@ -102,7 +121,13 @@ def target_pass_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, n: int,
 
 
 def draft_level_s(cfg: ModelConfig, precision: str, w: int, gpu: GpuSpec, a: Assumptions) -> float:
-    compute = _compute_s(layer_params(cfg), layer_bytes(cfg, precision), w, gpu, a) + a.layer_overhead_s
+    """A resident draft's level over w nodes; a draft kept in GGUF blocks dequantizes each layer
+    per use (runtime/blocks.PackedWeight)."""
+    if precision in GGUF_FORMATS:
+        params = layer_params(cfg)
+        compute = _compute_s(params, 2 * params, w, gpu, a) + dequant_s(cfg, precision, gpu) + a.layer_overhead_s
+    else:
+        compute = _compute_s(layer_params(cfg), layer_bytes(cfg, precision), w, gpu, a) + a.layer_overhead_s
     return cfg.num_layers * compute + _head_s(cfg, w, gpu, a)
 
 
@@ -190,7 +215,8 @@ def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int
 def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precision: str = "fp16",
              acceptance: str | Path | None = None, offload: str = "auto", vram: int | None = None,
              tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
-             max_budget: int = 1024, max_depth: int = 24, assumptions: Assumptions = Assumptions()) -> Simulation:
+             max_budget: int = 1024, max_depth: int = 24, assumptions: Assumptions = Assumptions(),
+             draft_precision: str = "fp16") -> Simulation:
     a = assumptions
     spec = gpu if isinstance(gpu, GpuSpec) else load_gpu_spec(gpu)
     _, cfg = load_model_shape(model)
@@ -198,7 +224,7 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precis
     if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
         raise UserError(f"--draft {draft}: vocabulary of {draft_cfg.vocab_size} tokens, the target's has "
                         f"{cfg.vocab_size}: a draft must share the target's tokenizer")
-    draft_b = model_bytes(draft_cfg, "fp16") if draft_cfg is not None else 0
+    draft_b = model_bytes(draft_cfg, draft_precision) if draft_cfg is not None else 0
     vram_b = vram if vram is not None else spec.vram_bytes - DEVICE_MARGIN_BYTES
     plan = make_plan(cfg, torch.float16, offload=offload, vram_bytes=vram_b,
                      ram_bytes=max(0, ram - a.host_reserve_bytes), buffers=2, max_context=a.max_context,
@@ -213,10 +239,11 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precis
         vector, source = AcceptanceVector((0.0,)), "none (no draft)"
         choice = choose(vector, timings)
     else:
-        t_draft = tuple(draft_level_s(draft_cfg, "fp16", w, spec, a) for w in DRAFT_WIDTHS)
+        t_draft = tuple(draft_level_s(draft_cfg, draft_precision, w, spec, a) for w in DRAFT_WIDTHS)
         timings = Timings(TARGET_WIDTHS, t_target, DRAFT_WIDTHS, t_draft, a.step_overhead_s)
         choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
     setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": model, "draft": draft, "precision": precision,
+               "draft_precision": draft_precision,
                "offload": offload, **{k: v for k, v in dataclasses.asdict(a).items()}}
     return Simulation(setting, plan, timings, vector, source, choice, t_target[0])
 
