@@ -60,3 +60,25 @@ def test_demo_command_streams_an_answer():
     # the whole product: the default draft, --tree auto's choice and prediction, disk streaming
     assert "tokens/s" in last and "/step" in last and "plain streamed decoding" in last, last
     assert "GB streamed" in last and "tree auto at T=0:" in proc.stderr
+
+
+def test_default_read_from_its_gguf_equals_its_float32_conversion(engine, tmp_path, monkeypatch):
+    """The default is now loaded from its Q4_1 GGUF directly (streamed as Q4_1 blocks): the same
+    model as the float32 folder convert-gguf makes, which is what it was before, bit for bit:
+    logits, resident and streamed from disk, and the greedy tokens."""
+    from offload_engine.formats.gguf_import import convert_gguf
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the disk store is built there
+    f32 = Engine.load(convert_gguf(find_default_gguf(), tmp_path / "f32", progress=False), device="cpu",
+                      progress=False)
+    streamed = Engine.load("default", device="cpu", offload="disk", progress=False)
+    try:
+        assert "Q4_1" in streamed.plan.weights and streamed.plan.bytes_per_pass < 0.2 * 424_919_040
+        ids = engine.tokenizer.encode_chat(QUESTION)
+        logits = [m.model.forward(torch.tensor(ids), torch.arange(len(ids)), m.model.new_cache(len(ids)))
+                  for m in (f32, engine, streamed)]
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+        tokens = [m.generate(messages=QUESTION, max_new_tokens=16).token_ids for m in (f32, streamed)]
+        assert tokens[0] == tokens[1]
+    finally:
+        streamed.close()
+        f32.close()

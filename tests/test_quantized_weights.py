@@ -400,3 +400,26 @@ def test_default_target_streams_its_own_q4_1_blocks():
     f32 = plan_only("default", device="cpu", offload="disk", weights="f32")[0]
     assert 0.14 < plan.bytes_per_pass / f32.bytes_per_pass < 0.2
 
+
+
+@pytest.mark.parametrize("draft", ["self-int8", "self-int4"])
+def test_self_drafts_start_from_a_quantized_targets_dequantized_weights(mixed, cache_home, draft):
+    src, f32 = mixed
+    plain = Engine.load(src, device="cpu", offload="none", progress=False)
+    spec = Engine.load(src, device="cpu", offload="disk", draft=draft, tree="sequoia", tree_budget=8, tree_depth=4,
+                       progress=False)
+    from_f32 = Engine.load(f32, device="cpu", offload="none", draft=draft, tree="sequoia", tree_budget=8,
+                           tree_depth=4, progress=False)
+    try:
+        # the self-draft quantizes the target's dequantized weights: the same draft as from the
+        # float32 conversion, whose proposals (hence the steps taken) are then the same too
+        for name, inputs in (("self_attn.q_proj.weight", 256), ("mlp.down_proj.weight", 512)):
+            a, b = spec.draft.layers[1][name], from_f32.draft.layers[1][name]
+            x = torch.randn(3, inputs, generator=torch.Generator().manual_seed(0))
+            assert torch.equal(a.linear(x, None), b.linear(x, None))
+        want = plain.generate("Hello there, friend", max_new_tokens=16)
+        got = spec.generate("Hello there, friend", max_new_tokens=16)
+        assert want.token_ids == got.token_ids
+    finally:
+        for e in (spec, from_f32, plain):
+            e.close()

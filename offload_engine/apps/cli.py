@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("gguf_file", type=Path)
     conv.add_argument("out_dir", type=Path)
     conv.add_argument("--dtype", default="float32", help="dtype of the written weights (default float32)")
-    sub.add_parser("default-model", help="print the embedded default model's folder (converting it first if needed)")
+    sub.add_parser("default-model", help="print the embedded default model's folder (its configuration and "
+                                         "tokenizer, read from its GGUF file first if needed)")
     acc = sub.add_parser("acceptance", help="measure the acceptance vector of a (target, draft) pair")
     _model_args(acc)
     acc.add_argument("--prompts", required=True, help="one prompt per line, or JSONL chat messages")
@@ -265,12 +266,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         args.offload = "auto" if gpu else "disk"
     engine = _load(args)
-    print(f"model: {engine.folder.name} on {engine.model.device} ({engine.model.dtype})")
+    print(_model_line(engine))
     print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
     result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=128,
                              on_token=_printer)
     print("\n" + _stats_line(result.stats))
     return 0
+
+
+def _model_line(engine) -> str:
+    """'model: NAME on DEVICE (DTYPE)', and what a target pass streams, in which formats."""
+    from ..formats.gguf_model import display_name
+    from ..runtime.placement import fmt_bytes
+    plan = engine.plan
+    line = f"model: {display_name(engine.folder)} on {engine.model.device} ({engine.model.dtype})"
+    if plan.streamed_layers:
+        line += (f"; {len(plan.streamed_layers)} of {plan.num_layers} layers streamed, "
+                 f"{fmt_bytes(plan.bytes_per_pass)} per target pass ({plan.weights})")
+    return line
 
 
 def _messages(prompt: str, system: str | None) -> list[dict]:
@@ -292,6 +305,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     engine = _load(args)
+    print(_model_line(engine))
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     last_stats: dict | None = None
     print("chat: type a message; /reset clears the history, /stats shows the last answer's stats, "
@@ -337,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from ..formats.default_model import DEFAULT_MODEL_NAME
+    from ..formats.gguf_model import display_name
     from .server import serve
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -344,7 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = args.api_key or os.environ.get("SEQUOIA_OFFLOAD_API_KEY") or None
     engine = _load(args)
-    name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else engine.folder.name)
+    name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else display_name(engine.folder))
     try:
         serve(engine, name, args.host, args.port, api_key, args.max_queue, args.cors_origin)
     finally:

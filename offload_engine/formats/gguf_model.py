@@ -35,6 +35,17 @@ def is_sidecar(folder: Path) -> bool:
     return (Path(folder) / SIDECAR_FILE).is_file()
 
 
+def display_name(folder: Path) -> str:
+    """What to call a model: its GGUF file's name without .gguf, or its folder's name."""
+    folder = Path(folder)
+    if is_sidecar(folder):
+        try:
+            return Path(json.loads((folder / SIDECAR_FILE).read_text(encoding="utf-8"))["file"]).name.removesuffix(".gguf")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return folder.name
+
+
 def gguf_in(folder: Path) -> Path | None:
     """The one GGUF file of a folder that is not a Hugging Face checkpoint, else None."""
     folder = Path(folder)
