@@ -149,8 +149,8 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
             layers = store_layout(ckpt, dtype).total_bytes
         finally:
             ckpt.close()
-        return model_bytes(draft_cfg, dtype) - draft_cfg.num_layers * model_bytes(draft_cfg, dtype, layers_only=True) \
-            + layers, folder, draft_cfg
+        dense_layers = draft_cfg.num_layers * model_bytes(draft_cfg, dtype, layers_only=True)
+        return model_bytes(draft_cfg, dtype) - dense_layers + layers, folder, draft_cfg
     return model_bytes(draft_cfg, dtype), folder, draft_cfg
 
 

@@ -67,7 +67,8 @@ def profile_key(engine) -> str:
     plan = engine.plan
     ident = {"v": PROFILE_VERSION, "machine": machine_name(engine.model.device), "device": str(engine.model.device),
              "dtype": str(engine.model.dtype), "target": engine.target_fingerprint, "draft": engine.draft_key,
-             "plan": [len(plan.resident_layers), len(plan.ram_layers), len(plan.disk_layers), plan.buffers]}
+             "plan": [len(plan.resident_layers), len(plan.ram_layers), len(plan.disk_layers), plan.buffers,
+                      plan.bytes_per_pass, plan.weights, plan.resident_format]}  # formats change the timings
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
