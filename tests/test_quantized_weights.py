@@ -8,8 +8,6 @@ bitwise `gguf.quants.dequantize`, tests/test_gguf_blocks.py) and loaded as plain
 """
 
 import json
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -319,23 +317,13 @@ def _dense_bytes(src):
     return cfg.num_layers * LayerLayout.for_config(cfg, torch.float32).block_bytes
 
 
-def _run_cli(args, env):
-    return subprocess.run([sys.executable, "-m", "offload_engine", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
-
-
-def _env(cache_home):
-    import os
-    return {**os.environ, "XDG_CACHE_HOME": str(cache_home.parent)}
-
-
 def _trusted(cache_home) -> list:
     models = cache_home / "models"
     return [p for p in models.iterdir() if not p.name.startswith(".")] if models.exists() else []
 
 
 @pytest.mark.parametrize("damage", ["truncated", "size", "unsupported", "arch"])
-def test_bad_gguf_files_get_one_line_and_leave_nothing_trusted(meta, tmp_path, cache_home, damage):
+def test_bad_gguf_files_get_one_line_and_leave_nothing_trusted(meta, tmp_path, cache_home, damage, capsys):
     model = tiny_llama(len(meta["tokens"]), hidden_size=64, intermediate_size=128)
     path = tmp_path / "bad.gguf"
     if damage == "unsupported":
@@ -369,13 +357,17 @@ def test_bad_gguf_files_get_one_line_and_leave_nothing_trusted(meta, tmp_path, c
             raw[rows_at:rows_at + 8] = (rows * 2).to_bytes(8, "little")
             path.write_bytes(bytes(raw))
             expect = "bad.gguf"
-    proc = _run_cli(["generate", "--target", str(path), "--prompt", "hi", "--max-new-tokens", "2",
-                     "--device", "cpu"], _env(cache_home))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
+    from offload_engine.apps.cli import main
+    capsys.readouterr()
+    rc = main(["generate", "--target", str(path), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sequoia-offload: error:") and expect in lines[0], lines
-    assert "Traceback" not in proc.stderr
     assert _trusted(cache_home) == []
+    # a second run finds nothing half-made to trust, and says the same
+    assert main(["generate", "--target", str(path), "--prompt", "hi", "--device", "cpu"]) == 2
+    assert expect in capsys.readouterr().err
 
 
 def test_sidecar_of_a_changed_file_is_not_trusted(mixed, cache_home, tmp_path):

