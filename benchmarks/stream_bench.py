@@ -48,9 +48,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip the HF Accelerate comparison")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     p.add_argument("--weights", default=None,
-                   help="compare stored formats in one run instead: a comma list of --weights values (e.g. "
-                        "f32,bf16,q8_0,auto,q4_0); bytes per pass and pass time per format and width, each "
-                        "against the first, measured round-robin")
+                   help="the stored format (a --weights value; default auto), or a comma list of them to "
+                        "compare in one run instead (e.g. f32,bf16,q8_0,auto,q4_0): bytes per pass and pass time "
+                        "per format and width, each against the first, measured round-robin")
 
 
 def raw_read_seconds(store, reader, buf) -> float:
@@ -203,10 +203,11 @@ def _engine_and_store(args: argparse.Namespace, weights: str = "auto"):
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    if args.weights:
+    formats = [f.strip() for f in (args.weights or "auto").split(",") if f.strip()]
+    if len(formats) > 1:
         return run_weights(args)
     torch.manual_seed(0)
-    engine, store = _engine_and_store(args)
+    engine, store = _engine_and_store(args, formats[0])
     plan = engine.plan
     raw = raw_mover(engine, store)
     measured = [measure_width(engine, raw, int(w), args.prefix, args.repeats) for w in args.widths.split(",")]
