@@ -196,8 +196,12 @@ def _engine_and_store(args: argparse.Namespace, weights: str = "auto"):
     from offload_engine.runtime.layer_store import open_or_build
     engine = Engine.load(args.target, device=args.device, offload=args.offload, buffers=args.buffers,
                          max_context=args.prefix + max(int(w) for w in args.widths.split(",")) + 8, weights=weights)
-    store = open_or_build(open_checkpoint(engine.folder, engine.config), engine.model.dtype, cache_root() / "stores",
-                          progress=False, weights=weights)
+    ckpt = open_checkpoint(engine.folder, engine.config)
+    try:  # the store the engine built (or, with nothing streamed, one built now)
+        store = open_or_build(ckpt, engine.model.dtype, cache_root() / "stores", progress=False, weights=weights,
+                              device=engine.model.device if engine.model.device.type == "cuda" else None)
+    finally:
+        ckpt.close()
     return engine, store
 
 

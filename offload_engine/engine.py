@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import sys
 import threading
@@ -18,7 +19,7 @@ from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH
 from sequoia_trees.sampling import SamplingParams
 
 from .errors import UserError
-from .formats.checkpoint import fingerprint, open_checkpoint
+from .formats.checkpoint import fingerprint, layer_shapes, open_checkpoint
 from .formats.config import ModelConfig, load_config, parse_dtype
 from .formats.gguf_model import is_sidecar
 from .formats.detokenize import TextStream
@@ -150,7 +151,8 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
         finally:
             ckpt.close()
         dense_layers = draft_cfg.num_layers * model_bytes(draft_cfg, dtype, layers_only=True)
-        return model_bytes(draft_cfg, dtype) - dense_layers + layers, folder, draft_cfg
+        per_use = max(math.prod(s) for s in layer_shapes(draft_cfg).values()) * dtype.itemsize  # one dense matrix
+        return model_bytes(draft_cfg, dtype) - dense_layers + layers + per_use, folder, draft_cfg
     return model_bytes(draft_cfg, dtype), folder, draft_cfg
 
 

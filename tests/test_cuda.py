@@ -331,3 +331,18 @@ def test_gguf_target_streamed_equals_resident_on_cuda(tmp_path, monkeypatch, dty
         engine.close()
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_torch_quantizers_on_cuda_make_the_gguf_packages_bytes(qtype):
+    """Stores built for a GPU are quantized on it: the same bytes as the package's numpy code
+    (divisions by a number are done tensor by tensor, never as a reciprocal's product)."""
+    import gguf
+    import numpy as np
+
+    from offload_engine.runtime.blocks import quantize
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((512, 1024)) * rng.uniform(1e-3, 10, (512, 1))).astype(np.float32)
+    with np.errstate(all="ignore"):
+        want = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]).view(np.uint8).reshape(512, -1)
+    assert np.array_equal(quantize(torch.from_numpy(w).to(CUDA), qtype).cpu().numpy(), want)

@@ -117,6 +117,6 @@ def test_compiled_half_conversion_is_exact_for_every_half():
     blocks[:, :2] = halves.view(np.uint8).reshape(-1, 2)
     blocks[:, 2:] = 1
     out = torch.empty(2**16 * 32)
-    assert gguf_native.dequantize_into(torch.from_numpy(blocks.reshape(-1)), "Q8_0", out)
+    assert gguf_native.dequantize_into(torch.from_numpy(blocks.reshape(-1)), "Q8_0", out, 32, 34)
     want = quants.dequantize(blocks, T.Q8_0).reshape(-1)
     np.testing.assert_array_equal(_bits(out.numpy()), _bits(want))

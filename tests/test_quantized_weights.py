@@ -258,12 +258,17 @@ def test_weights_quantize_a_16_bit_checkpoint_at_store_build(tmp_path, cache_hom
     ref = Transformer(ckpt.config, load_globals(ckpt, torch.float32, torch.device("cpu")), [deq[0], deq[1]],
                       torch.float32, torch.device("cpu"))
     engine = Engine.load(folder, device="cpu", offload="disk", weights=weights, progress=False)
+    resident = Engine.load(folder, device="cpu", offload="none", weights=weights, progress=False)
     try:
         assert engine.plan.bytes_per_pass == store.layout.total_bytes
-        for a, b in zip(_passes(engine.model), _passes(ref)):
-            assert torch.equal(a, b)
+        assert resident.plan.resident_format == "dense"  # dequantized once, from the stored format
+        expected = _passes(ref)
+        for model in (engine.model, resident.model):  # the same model wherever its layers live
+            for a, b in zip(_passes(model), expected):
+                assert torch.equal(a, b)
     finally:
         engine.close()
+        resident.close()
     ckpt.close()
 
 
@@ -370,6 +375,30 @@ def test_bad_gguf_files_get_one_line_and_leave_nothing_trusted(meta, tmp_path, c
     assert expect in capsys.readouterr().err
 
 
+def test_gguf_with_attention_biases_streams_as_its_conversion(meta, cache_home, tmp_path):
+    """llama.cpp permutes the q and k biases as it permutes the rows: undone on the raw bytes."""
+    model = tiny_llama(len(meta["tokens"]), attention_bias=True)
+    src = write_gguf(tmp_path / "bias.gguf", model, meta, qtype=Q.Q8_0)
+    f32 = convert_gguf(src, tmp_path / "f32", progress=False)
+    expected = _passes(_reference(f32))
+    engine = Engine.load(src, device="cpu", offload="disk", progress=False)
+    try:
+        for a, b in zip(_passes(engine.model), expected):
+            assert torch.equal(a, b)
+    finally:
+        engine.close()
+
+
+def test_a_damaged_metadata_folder_is_written_again(mixed, cache_home):
+    """A power cut after the folder's rename can leave an empty file in it: not trusted."""
+    from offload_engine.engine import resolve_target
+    src, _ = mixed
+    side = resolve_target(src, progress=False)
+    (side / "gguf.json").write_text("")
+    again = resolve_target(src, progress=False)
+    assert again == side and json.loads((side / "gguf.json").read_text())["tensors"]
+
+
 def test_sidecar_of_a_changed_file_is_not_trusted(mixed, cache_home, tmp_path):
     from offload_engine.engine import resolve_target
     from offload_engine.errors import UserError
@@ -415,3 +444,18 @@ def test_self_drafts_start_from_a_quantized_targets_dequantized_weights(mixed, c
     finally:
         for e in (spec, from_f32, plain):
             e.close()
+
+
+def test_the_command_line_offers_every_format_the_runtime_has():
+    """The CLI lists its choices literally (parsing arguments must not import torch): they must
+    stay the runtime's."""
+    from offload_engine.apps.cli import build_parser
+    from offload_engine.planning.simulator import PRECISIONS
+    from offload_engine.runtime.blocks import WEIGHTS_CHOICES
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    weights = next(a for a in sub["generate"]._actions if a.dest == "weights")
+    assert tuple(weights.choices) == WEIGHTS_CHOICES
+    for dest in ("precision", "draft_precision"):
+        action = next(a for a in sub["simulate"]._actions if a.dest == dest)
+        assert set(action.choices) == set(PRECISIONS)

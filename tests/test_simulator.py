@@ -111,6 +111,8 @@ def test_gguf_precisions_use_their_real_bits_and_pay_their_dequantization():
     gpu = load_gpu_spec("rtx4090")
     assert simulator.dequant_s(cfg, "q4_k", gpu) > 0 == simulator.dequant_s(cfg, "fp16", gpu)
     runs = {p: simulator.simulate("rtx4090", 64 * GIB, "llama-3.1-70b", None, precision=p) for p in ("q8_0", "q4_k")}
+    # the plan reserves what the runtime's would: a dense layer per buffer to dequantize into
+    assert runs["q4_k"].plan.fixed_bytes["dequant scratch"] == 2 * 2 * simulator.layer_params(cfg)
     assert runs["q4_k"].plan.bytes_per_pass < 0.6 * runs["q8_0"].plan.bytes_per_pass
     assert runs["q4_k"].plain_seconds_per_token < runs["q8_0"].plain_seconds_per_token
     # a draft kept in q8_0 blocks is counted at its block size and pays dequantization per level

@@ -116,7 +116,7 @@ def dequantize_blocks(b: torch.Tensor, qtype: str) -> torch.Tensor:
         ql, qh, scales = b[:, :128], b[:, 128:192], b[:, 192:208]
         d = (_f16(b[:, 208:210]) * _view(scales, torch.int8).float()).reshape(n, 16, 1)
         low = _nibbles(ql.reshape(n, 2, 64)).reshape(n, 8, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)  # no host copy
         high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
         q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
         return (d * q).reshape(n, QK_K)
@@ -140,7 +140,7 @@ def dequantize_into(data: torch.Tensor, qtype: str, out: torch.Tensor, native: b
     on the CPU by the compiled loop of gguf_native.c where it is available (native=True), else
     with fewer torch passes over memory for the 32-weight formats; bitwise the same values either
     way (the same float32 multiplications and additions, never fused; tests/test_gguf_blocks.py)."""
-    if native and gguf_native.dequantize_into(data, qtype, out):  # one pass over memory, compiled
+    if native and qtype in BLOCK_SIZES and gguf_native.dequantize_into(data, qtype, out, *BLOCK_SIZES[qtype]):
         return out
     size = BLOCK_SIZES[qtype][1]
     b = data.reshape(-1, size)

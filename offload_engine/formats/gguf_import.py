@@ -347,16 +347,6 @@ def _check_size(path: Path, e: _Entry) -> None:
                         f"bytes, the file holds {int(t.data.nbytes)} (truncated or damaged file?)")
 
 
-def raw_rows(path: Path, e: _Entry) -> torch.Tensor:
-    """A tensor's bytes as the file holds them, uint8 [rows, bytes per row], in Hugging Face row
-    order (llama.cpp's q/k permutation undone on whole rows of blocks: a block never spans rows)."""
-    _check_size(path, e)
-    t = e.source
-    raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy())
-    rows = raw.reshape(e.shape[0], -1) if len(e.shape) > 1 else raw.reshape(1, -1)
-    return unpermute_rows(rows, e.unpermute_heads) if e.unpermute_heads else rows
-
-
 def _materialize(path: Path, e: _Entry, dtype: torch.dtype) -> torch.Tensor:
     if e.source is None:
         return torch.zeros(e.shape, dtype=dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,14 @@ def _key(path: Path) -> str:
 
 
 def _complete(folder: Path) -> bool:
-    return all((folder / n).is_file() for n in ("config.json", "tokenizer.json", SIDECAR_FILE))
+    """The folder is whole: its files parse (a power cut may leave an empty one behind a rename
+    that did happen; such a folder is written again)."""
+    try:
+        for name in ("config.json", "tokenizer.json", SIDECAR_FILE):
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
+        return isinstance(data, dict) and isinstance(data.get("tensors"), list)
+    except (OSError, ValueError):
+        return False
 
 
 def sidecar_for(path: Path, progress: bool = True, name: str | None = None) -> Path:
@@ -78,6 +86,8 @@ def sidecar_for(path: Path, progress: bool = True, name: str | None = None) -> P
     target = cache_root() / "models" / f"{stem}-gguf-{_key(path)}"
     if _complete(target):
         return target
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent, f".{target.name}.tmp-*")
     try:
@@ -148,12 +158,23 @@ class GGUFCheckpoint:
     def raw(self, name: str) -> torch.Tensor:
         """uint8 [rows, bytes per row]: the file's blocks in Hugging Face row order (llama.cpp's
         q/k row permutation undone on whole rows: a block never spans two rows)."""
+        return self.raw_rows(name)
+
+    def raw_rows(self, name: str, rows: int | None = None) -> torch.Tensor:
+        """The first `rows` rows of `raw(name)` (all by default), reading only those from the file."""
         t = self._entry(name)
-        rows = t.shape[0] if len(t.shape) > 1 else 1
+        matrix = len(t.shape) > 1
         if not t.gguf_name:
-            return torch.zeros(rows, 4 * t.shape[-1], dtype=torch.uint8)
-        data = torch.from_numpy(np.array(self._bytes(t))).reshape(rows, -1)
-        return gguf_import.unpermute_rows(data, t.unpermute_heads) if t.unpermute_heads else data
+            return torch.zeros(t.shape[0] if matrix else 1, 4 * t.shape[-1], dtype=torch.uint8)
+        data = self._bytes(t)
+        n = t.shape[0]  # a matrix's rows; a vector's elements, the rows its permutation moves
+        order = torch.arange(n)
+        if t.unpermute_heads:
+            order = gguf_import.unpermute_rows(order, t.unpermute_heads)
+        if rows is not None:
+            order = order[:rows]
+        picked = torch.from_numpy(np.ascontiguousarray(data.reshape(n, -1)[order.numpy()]))
+        return picked if matrix else picked.reshape(1, -1)
 
     def load(self, name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
         """Dequantized (bitwise `gguf.quants.dequantize`), rows unpermuted, cast to dtype."""
@@ -181,7 +202,8 @@ def tensor_head(folder: Path, name: str, nbytes: int) -> bytes:
     if not t.gguf_name:
         raise KeyError(name)
     rows = min(t.shape[0], max(1, math.ceil(nbytes / 4 / t.shape[-1])))
-    raw = ckpt.raw(name)[:rows]
+    raw = ckpt.raw_rows(name, rows)
+    ckpt.close()
     w = gguf_blocks.dequantize(raw.reshape(-1).contiguous(), t.qtype, (raw.shape[0], t.shape[-1]))
     return w.numpy().tobytes()[:nbytes]
 

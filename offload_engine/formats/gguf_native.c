@@ -6,7 +6,8 @@
  * -ffp-contract=off so that no multiply-add is fused (a fused one rounds once, not twice), and
  * the tests compare every format bit for bit against the torch path.
  *
- * Layouts (llama.cpp's ggml-common.h) are described in gguf_blocks.py.
+ * Layouts (llama.cpp's ggml-common.h) are described in gguf_blocks.py. Block pointers are
+ * `restrict`: without it a uint8_t pointer may alias the output, and the loops do not vectorize.
  */
 #include <stdint.h>
 #include <string.h>
@@ -37,21 +38,20 @@ static inline float half_to_float(const uint8_t *p) {
     return f;
 }
 
-static void q8_0(const uint8_t *b, float *w) {
+static void q8_0(const uint8_t *restrict b, float *restrict w) {
     float d = half_to_float(b);
     const int8_t *q = (const int8_t *)(b + 2);
     for (int i = 0; i < 32; i++) w[i] = (float)q[i] * d;
 }
 
-static void q4(const uint8_t *b, float *w, int with_min) {
+static void q4(const uint8_t *restrict b, float *restrict w, int with_min) {
     float d = half_to_float(b), m = with_min ? half_to_float(b + 2) : 0.0f;
     const uint8_t *qs = b + (with_min ? 4 : 2);
     if (with_min) {
         for (int i = 0; i < 16; i++) {
-            w[i] = d * (float)(qs[i] & 0x0f);
-            w[i] = w[i] + m;
-            w[i + 16] = d * (float)(qs[i] >> 4);
-            w[i + 16] = w[i + 16] + m;
+            float lo = d * (float)(qs[i] & 0x0f), hi = d * (float)(qs[i] >> 4);
+            w[i] = lo + m;
+            w[i + 16] = hi + m;
         }
     } else {
         for (int i = 0; i < 16; i++) {
@@ -61,7 +61,7 @@ static void q4(const uint8_t *b, float *w, int with_min) {
     }
 }
 
-static void q5(const uint8_t *b, float *w, int with_min) {
+static void q5(const uint8_t *restrict b, float *restrict w, int with_min) {
     float d = half_to_float(b), m = with_min ? half_to_float(b + 2) : 0.0f;
     const uint8_t *p = b + (with_min ? 4 : 2);
     uint32_t qh = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -69,8 +69,8 @@ static void q5(const uint8_t *b, float *w, int with_min) {
     for (int i = 0; i < 32; i++) {
         int q = (i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4)) | (int)(((qh >> i) & 1u) << 4);
         if (with_min) {
-            w[i] = d * (float)q;
-            w[i] = w[i] + m;
+            float x = d * (float)q;
+            w[i] = x + m;
         } else {
             w[i] = d * (float)(q - 16);
         }
@@ -88,7 +88,7 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-static void q45_k(const uint8_t *b, float *w, int five) {
+static void q45_k(const uint8_t *restrict b, float *restrict w, int five) {
     float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
     for (int j = 0; j < 8; j++) {
@@ -105,7 +105,7 @@ static void q45_k(const uint8_t *b, float *w, int five) {
     }
 }
 
-static void q6_k(const uint8_t *b, float *w) {
+static void q6_k(const uint8_t *restrict b, float *restrict w) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *scales = (const int8_t *)(b + 192);
     float d = half_to_float(b + 208);

@@ -89,7 +89,7 @@ def available() -> bool:
             else:
                 try:
                     _lib = _build()
-                except (OSError, subprocess.SubprocessError) as e:
+                except Exception as e:  # noqa: BLE001 - any failure means the torch path, said once
                     _why_not = str(e)
                     print(f"sequoia-offload: note: the compiled GGUF dequantizer is unavailable ({e}); "
                           "using torch ops (same values, slower on the CPU)", file=sys.stderr)
@@ -101,14 +101,13 @@ def why_not() -> str:
     return _why_not
 
 
-def dequantize_into(data: torch.Tensor, qtype: str, out: torch.Tensor) -> bool:
-    """Blocks of `qtype` (uint8, contiguous, CPU) into `out` (float32, contiguous, CPU, as many
-    weights as the blocks hold); False (nothing done) where the fast path does not apply."""
+def dequantize_into(data: torch.Tensor, qtype: str, out: torch.Tensor, block: int, size: int) -> bool:
+    """Blocks of `qtype` (`block` weights in `size` bytes each; uint8, contiguous, CPU) into `out`
+    (float32, contiguous, CPU, as many weights as the blocks hold); False (nothing done) where the
+    fast path does not apply."""
     if (qtype not in KINDS or data.device.type != "cpu" or out.device.type != "cpu" or out.dtype != torch.float32
             or not data.is_contiguous() or not out.is_contiguous() or not available()):
         return False
-    from .gguf_blocks import BLOCK_SIZES
-    block, size = BLOCK_SIZES[qtype]
     n = data.numel() // size
     if n * size != data.numel() or n * block != out.numel():
         raise ValueError(f"{qtype}: {data.numel()} bytes do not fill {out.numel()} weights")

@@ -225,11 +225,14 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precis
         raise UserError(f"--draft {draft}: vocabulary of {draft_cfg.vocab_size} tokens, the target's has "
                         f"{cfg.vocab_size}: a draft must share the target's tokenizer")
     draft_b = model_bytes(draft_cfg, draft_precision) if draft_cfg is not None else 0
+    if draft_cfg is not None and draft_precision in GGUF_FORMATS:  # its per-use dense matrix
+        draft_b += 2 * max(math.prod(s) for s in layer_shapes(draft_cfg).values())
     vram_b = vram if vram is not None else spec.vram_bytes - DEVICE_MARGIN_BYTES
     plan = make_plan(cfg, torch.float16, offload=offload, vram_bytes=vram_b,
                      ram_bytes=max(0, ram - a.host_reserve_bytes), buffers=2, max_context=a.max_context,
                      max_batch_tokens=max(TARGET_WIDTHS), draft_bytes=draft_b,
-                     layer_bytes=layer_bytes(cfg, precision))
+                     layer_bytes=layer_bytes(cfg, precision),
+                     scratch_bytes=2 * layer_params(cfg) if precision in GGUF_FORMATS else 0)
     t_target = tuple(target_pass_s(cfg, plan, precision, n, spec, a) for n in TARGET_WIDTHS)
     vector, source = read_acceptance(acceptance)
     if draft_cfg is None:  # plain offloaded decoding only

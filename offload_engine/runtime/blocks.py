@@ -78,9 +78,15 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
         raise ValueError(f"cannot quantize to {fmt} (only {', '.join(QUANTIZERS)})")
     blocks = w.float().reshape(-1, 32)
     zero = torch.zeros((), device=w.device)
+
+    def div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+        # tensor by tensor: on CUDA, dividing by a Python number is done as a multiplication by
+        # its reciprocal, which can differ from numpy's division in the last bit
+        return a / (b if isinstance(b, torch.Tensor) else torch.full_like(a, b))
+
     if fmt == "Q8_0":  # d = max|x| / 127, q = roundf(x / d) (half away from zero)
-        d = blocks.abs().amax(dim=1, keepdim=True) / 127
-        inv = torch.where(d == 0, zero, 1 / d)
+        d = div(blocks.abs().amax(dim=1, keepdim=True), 127.0)
+        inv = torch.where(d == 0, zero, div(torch.ones_like(d), d))
         x = blocks * inv
         a = x.abs()
         floored = a.floor()
@@ -89,14 +95,14 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     else:
         if fmt == "Q4_0":  # d = (the value of largest magnitude) / -8, q = trunc(x / d + 8.5)
             big = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))
-            d = big / -8
-            inv = torch.where(d == 0, zero, 1 / d)
+            d = div(big, -8.0)
+            inv = torch.where(d == 0, zero, div(torch.ones_like(d), d))
             q = (blocks * inv + 8.5).trunc()
             head = [d.half().view(torch.uint8)]
         else:  # Q4_1: d = (max - min) / 15, q = trunc((x - min) / d + 0.5), m = min
             hi, lo = blocks.amax(dim=1, keepdim=True), blocks.amin(dim=1, keepdim=True)
-            d = (hi - lo) / 15
-            inv = torch.where(d == 0, zero, 1 / d)
+            d = div(hi - lo, 15.0)
+            inv = torch.where(d == 0, zero, div(torch.ones_like(d), d))
             q = ((blocks - lo) * inv + 0.5).trunc()
             head = [d.half().view(torch.uint8), lo.half().view(torch.uint8)]
         q = q.to(torch.uint8).clamp_(0, 15)

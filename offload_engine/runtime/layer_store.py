@@ -34,9 +34,10 @@ from ..errors import UserError
 from ..formats.checkpoint import layer_shapes
 from ..formats.config import DTYPE_NAMES, ModelConfig
 from ..fsutil import remove_stale_temps
-from .blocks import FLOAT_FORMATS, FORMAT_OF_DTYPE, PackedWeight, check_shape, quantize, storage_format, tensor_bytes
+from .blocks import (FLOAT_FORMATS, FORMAT_OF_DTYPE, PackedWeight, check_shape, quantize, storage_format, tensor_bytes,
+                     to_dense)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the torch quantizers divide exactly on CUDA too
 BLOCK_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length all multiples of this
 TENSOR_ALIGN = 256
 
@@ -81,11 +82,6 @@ class LayerLayout:
         """The slots stored in another format than the compute dtype."""
         compute = FORMAT_OF_DTYPE[self.dtype]
         return tuple(s.name for s in self.slots if s.fmt != compute)
-
-    @property
-    def dense_bytes(self) -> int:
-        """Bytes of the layer's tensors in the compute dtype."""
-        return sum(math.prod(s.shape) for s in self.slots) * self.dtype.itemsize
 
     def views(self, block: torch.Tensor) -> dict[str, torch.Tensor | PackedWeight]:
         """The layer's tensors over a uint8 block, on whatever device the block is: typed views
@@ -145,9 +141,15 @@ class StoreLayout:
     def total_bytes(self) -> int:
         return sum(self.sizes)
 
-    @property
-    def dense(self) -> bool:
-        return not any(lay.packed for lay in self.layouts)
+    def packed_shapes(self, layers=None) -> dict[str, tuple[int, ...]]:
+        """Every slot name some layer (of `layers`, default all) keeps packed, with its shape: the
+        compute-dtype scratch a layer buffer needs to convert any of those layers."""
+        picks = range(len(self.layouts)) if layers is None else layers
+        return {s.name: s.shape for i in picks for s in self.layouts[i].slots if s.name in self.layouts[i].packed}
+
+    def scratch_bytes(self, layers=None) -> int:
+        dtype = self.layouts[0].dtype
+        return sum(math.prod(shape) for shape in self.packed_shapes(layers).values()) * dtype.itemsize
 
     def to_json(self) -> dict:
         distinct: list[dict] = []
@@ -326,6 +328,20 @@ def stored_tensor(ckpt, name: str, fmt: str, device: torch.device | None = None)
     return quantize(ckpt.load(name, torch.float32, device or "cpu"), fmt).cpu()
 
 
+def dense_layer(ckpt, index: int, layout: LayerLayout, device: torch.device) -> dict:
+    """Layer `index` in the compute dtype on `device`, made from its stored formats: a resident
+    layer holds exactly the weights it would run with streamed (a --weights q4_0 model is that
+    model wherever its layers live)."""
+    compute, out = FORMAT_OF_DTYPE[layout.dtype], {}
+    for s in layout.slots:
+        name = f"model.layers.{index}.{s.name}"
+        if s.fmt == compute:
+            out[s.name] = ckpt.load(name, layout.dtype, device)
+        else:
+            out[s.name] = to_dense(stored_tensor(ckpt, name, s.fmt, device).to(device), s.fmt, s.shape, layout.dtype)
+    return out
+
+
 def packed_layer(ckpt, index: int, layout: LayerLayout, device: torch.device) -> dict:
     """Layer `index` kept in its stored formats on `device` (one block; packed slots become
     `PackedWeight`s dequantized per use)."""
@@ -341,6 +357,7 @@ def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: 
                leave=False, disable=None if progress else True)
     with open(tmp / "layers.bin", "wb") as f:
         for i in bar:
+            os.utime(tmp)  # a live build: never swept as a dead one's leftovers, however long it takes
             lay = layout.layouts[i]
             stored = {s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt, device) for s in lay.slots}
             lay.pack(stored, block[:lay.block_bytes])

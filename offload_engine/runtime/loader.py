@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from ..formats.config import ModelConfig
 from ..fsutil import cache_root
-from .layer_store import StoreLayout, aligned_buffer, open_or_build, packed_layer, store_layout
+from .layer_store import StoreLayout, aligned_buffer, dense_layer, open_or_build, packed_layer, store_layout
 from .model import Transformer, load_globals
 from .placement import PlacementPlan, default_budgets, make_plan, parse_size
 from .streamer import LayerExecutor, pinned_block
@@ -72,7 +72,7 @@ def load_target(ckpt, dtype: torch.dtype, device: torch.device, plan: PlacementP
         if plan.resident_format == "blocks":
             resident[i] = packed_layer(ckpt, i, layout.layouts[i], device)
         else:
-            resident[i] = ckpt.load_layer(i, dtype, device)
+            resident[i] = dense_layer(ckpt, i, layout.layouts[i], device)
     ram_blocks: dict[int, torch.Tensor] = {}
     reader = None
     if plan.streamed_layers:

@@ -164,10 +164,11 @@ def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batc
 def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vram_bytes: int,
               ram_bytes: int, buffers: int = 2, max_context: int, max_batch_tokens: int,
               draft_bytes: int = 0, layer_bytes: int | None = None, cache_slots: int = 1,
-              draft_kv_bytes: int = 0, store: StoreLayout | None = None) -> PlacementPlan:
+              draft_kv_bytes: int = 0, store: StoreLayout | None = None, scratch_bytes: int = 0) -> PlacementPlan:
     """Decide each layer's tier. Refuses, naming the numbers, a plan that cannot fit.
     `store` gives each layer's stored bytes and formats (layer_store.store_layout); without it
-    every layer is a dense block in `dtype`, or `layer_bytes` (the simulator's quantised weights).
+    every layer is a dense block in `dtype`, or `layer_bytes` (the simulator's quantised weights,
+    then kept in blocks, `scratch_bytes` being one layer's dequantized matrices).
 
     Resident layers are dequantized once at load ("dense") when the whole model fits the device
     that way; otherwise, when the store holds packed formats, they stay in their blocks and are
@@ -176,34 +177,34 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
         raise UserError(f"--offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     if buffers < 1:
         raise UserError(f"--buffers must be at least 1, got {buffers}")
-    L = cfg.num_layers
-    dense = LayerLayout.for_config(cfg, dtype).block_bytes
-    if store is not None:
-        sizes, layer, label = store.sizes, store.max_block, store.summary()
-        # one layer's packed slots in the compute dtype: what each buffer's conversion writes
-        scratch = max(sum(math.prod(s.shape) for s in lay.slots if s.name in lay.packed) for lay in store.layouts)
-        scratch *= dtype.itemsize
-    else:
-        layer = layer_bytes if layer_bytes is not None else dense
-        sizes, label, scratch = (layer,) * L, "", 0
-        dense = layer
     if cache_slots < 1:
         raise UserError(f"--cache-slots must be at least 1, got {cache_slots}")
+    L = cfg.num_layers
+    dense: int | None = LayerLayout.for_config(cfg, dtype).block_bytes  # one layer dequantized once
+    if store is not None:
+        sizes, layer, label = store.sizes, store.max_block, store.summary()
+        scratch = store.scratch_bytes()  # what each buffer's conversion writes (all packed slot names)
+    else:
+        layer = layer_bytes if layer_bytes is not None else dense
+        sizes, label, scratch = (layer,) * L, "", scratch_bytes
+        dense = None if scratch else layer  # the simulator's quantized layers: only ever in blocks
     fixed = fixed_parts(cfg, dtype, max_context, max_batch_tokens, draft_bytes, cache_slots, draft_kv_bytes)
     need = sum(fixed.values())
-    common = dict(layer_sizes=tuple(sizes) if store is not None else (), dense_layer_bytes=dense, weights=label)
-    if offload in ("none", "auto") and need + L * dense <= vram_bytes:
+    common = dict(layer_sizes=tuple(sizes) if store is not None else (), dense_layer_bytes=dense or layer,
+                  weights=label)
+    whole = offload in ("none", "auto")
+    if whole and dense is not None and need + L * dense <= vram_bytes:
         return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes, **common)
     # per-use dequantization of a resident matrix needs its dense copy for the while: the largest
     biggest = max(math.prod(s) for s in layer_shapes(cfg).values()) * dtype.itemsize if scratch else 0
-    blocks_fit = lambda room, n: sum(sizes[:n]) <= room  # noqa: E731
-    if offload in ("none", "auto") and scratch and need + biggest + sum(sizes) <= vram_bytes:
+    if whole and scratch and need + biggest + sum(sizes) <= vram_bytes:
         fixed["dequant scratch (one matrix)"] = biggest  # every layer resident, in its blocks
         return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes,
                              resident_format="blocks", **common)
     if offload == "none":
-        raise UserError(f"--offload none: the whole model needs {fmt_bytes(need + L * dense)} on the device "
-                        f"({fmt_bytes(L * dense)} of layers + {_parts(fixed)}), more than --vram "
+        total = L * (dense or layer)
+        raise UserError(f"--offload none: the whole model needs {fmt_bytes(need + total)} on the device "
+                        f"({fmt_bytes(total)} of layers + {_parts(fixed)}), more than --vram "
                         f"{fmt_bytes(vram_bytes)}")
     fixed["layer buffers"] = buffers * layer
     need += buffers * layer
@@ -213,11 +214,12 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
     if need > vram_bytes:
         raise UserError(f"--vram {fmt_bytes(vram_bytes)} is too small for the resident parts: "
                         f"{_parts(fixed)} = {fmt_bytes(need)}")
-    fmt = "dense"
-    n_res = min(L - 1, (vram_bytes - need) // dense) if offload == "auto" else 0
+    fmt, n_res = "dense", 0
+    if offload == "auto" and dense is not None:
+        n_res = min(L - 1, (vram_bytes - need) // dense)
     if offload == "auto" and scratch and need + biggest <= vram_bytes:
-        n_blocks = 0
-        while n_blocks < L - 1 and blocks_fit(vram_bytes - need - biggest, n_blocks + 1):
+        room, n_blocks = vram_bytes - need - biggest, 0
+        while n_blocks < L - 1 and sum(sizes[:n_blocks + 1]) <= room:
             n_blocks += 1
         if n_blocks > n_res:
             n_res, fmt = n_blocks, "blocks"

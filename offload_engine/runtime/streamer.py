@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.gguf_blocks import BLOCK_SIZES
 from .blocks import to_dense
 from .layer_store import BlockReader, StoreLayout, aligned_buffer
 from .model import LayerWeights
@@ -114,11 +115,20 @@ class LayerExecutor:
         self.buffers = [self._device_block() for _ in range(k)]
         # compute-dtype weights of the slots a streamed layer holds in another format, one set
         # per buffer: the copy side converts each filled block into its buffer's set
-        packed = {s.name: s.shape for i in self.order for s in layout.layouts[i].slots
-                  if s.name in layout.layouts[i].packed}
         self.scratch = [{n: torch.empty(shape, dtype=layout.layouts[0].dtype, device=self.device)
-                         for n, shape in packed.items()} for _ in range(k)]
+                         for n, shape in layout.packed_shapes(self.order).items()} for _ in range(k)]
+        # per (buffer, layout): the weights a layer runs with, and its packed slots over the
+        # buffer's bytes; made here, once, so neither thread ever builds them
         self._views: dict[tuple[int, int], tuple[LayerWeights, dict]] = {}
+        for b in range(k):
+            for i in self.order:
+                lay = layout.layouts[i]
+                if (b, id(lay)) not in self._views:
+                    raw = lay.views(self.buffers[b][:lay.block_bytes])
+                    packed = {n: raw[n] for n in lay.packed}
+                    self._views[(b, id(lay))] = ({n: self.scratch[b][n] if n in packed else w for n, w in raw.items()},
+                                                 packed)
+        self._warm_up()
         if self.cuda and self.order:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready_events = [torch.cuda.Event() for _ in range(k)]
@@ -166,14 +176,19 @@ class LayerExecutor:
 
     def views(self, b: int, layer: int) -> tuple[LayerWeights, dict]:
         """(the weights a layer in buffer b runs with, its packed slots over the buffer's bytes)."""
-        lay = self.layout.layouts[layer]
-        key = (b, id(lay))
-        if key not in self._views:
-            raw = lay.views(self.buffers[b][:lay.block_bytes])
-            packed = {n: raw[n] for n in lay.packed}
-            weights = {n: self.scratch[b][n] if n in packed else w for n, w in raw.items()}
-            self._views[key] = (weights, packed)
-        return self._views[key]
+        return self._views[(b, id(self.layout.layouts[layer]))]
+
+    def _warm_up(self) -> None:
+        """Build what the first conversion of each stored format would otherwise build inside
+        the first pass: the compiled CPU loop, or the GPU kernel of each format."""
+        formats = {s.fmt for i in self.order for s in self.layout.layouts[i].slots
+                   if s.name in self.layout.layouts[i].packed}
+        for fmt in sorted(formats):
+            block, size = BLOCK_SIZES[fmt]
+            to_dense(torch.zeros(size, dtype=torch.uint8, device=self.device), fmt, (1, block),
+                     self.layout.layouts[0].dtype)
+        if formats and self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def _dequantize(self, layer: int, b: int) -> None:
         """Turn the packed slots of the block in buffer b into its compute-dtype scratch (on CUDA,
@@ -318,12 +333,12 @@ class LayerExecutor:
             with torch.cuda.stream(self.copy_stream):
                 dest.copy_(src, non_blocking=True)
                 end = self.clock.mark(self.copy_stream)
+                if staged is not None:  # the staging buffer is free once copied, not converted
+                    self.staged_events[n % len(self.staging)].record(self.copy_stream)
                 if packed:
                     self._dequantize(layer, b)
             self.ready_events[b].record(self.copy_stream)
             converted = self.clock.mark(self.copy_stream)
-            if staged is not None:
-                self.staged_events[n % len(self.staging)].record(self.copy_stream)
             with self._lock:
                 self._pending.append(("copy_seconds", start, end))
                 if packed:
