@@ -62,20 +62,23 @@ def test_demo_command_streams_an_answer():
     assert "GB streamed" in last and "tree auto at T=0:" in proc.stderr
 
 
-def test_default_read_from_its_gguf_equals_its_float32_conversion(engine, tmp_path):
+def test_default_read_from_its_gguf_equals_its_float32_conversion(engine):
     """The default is now loaded from its Q4_1 GGUF directly (streamed as Q4_1 blocks): the same
-    model as the float32 folder convert-gguf makes, which is what it was before, bit for bit:
-    the logits, resident and streamed from disk (so its tokens are the same too)."""
-    from offload_engine.formats.gguf_import import convert_gguf
-    f32 = Engine.load(convert_gguf(find_default_gguf(), tmp_path / "f32", progress=False), device="cpu",
-                      progress=False)
+    model as the float32 folder convert-gguf makes, which is what it was before, bit for bit.
+    The reference is that conversion's weights (the converter's dequantization, held in memory
+    rather than written out: tests/test_quantized_weights.py checks the two agree); the logits
+    of the engine, resident (dense from its blocks) and streamed from disk, equal its logits."""
+    from offload_engine.formats.checkpoint import open_checkpoint
+    from offload_engine.runtime.model import Transformer
+    ckpt = open_checkpoint(engine.folder, engine.config)
+    reference = Transformer.from_checkpoint(ckpt, torch.float32)
     streamed = Engine.load("default", device="cpu", offload="disk", progress=False)
     try:
         assert "Q4_1" in streamed.plan.weights and streamed.plan.bytes_per_pass < 0.2 * 424_919_040
         ids = engine.tokenizer.encode_chat(QUESTION)
-        logits = [m.model.forward(torch.tensor(ids), torch.arange(len(ids)), m.model.new_cache(len(ids)))
-                  for m in (f32, engine, streamed)]
+        logits = [m.forward(torch.tensor(ids), torch.arange(len(ids)), m.new_cache(len(ids)))
+                  for m in (reference, engine.model, streamed.model)]
         assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
     finally:
         streamed.close()
-        f32.close()
+        ckpt.close()

@@ -228,7 +228,7 @@ def test_greedy_speculation_on_a_quantized_target_equals_plain(mixed, meta, cach
         plain.close()
 
 
-@pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1", "bf16", "f16"])
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1", "bf16"])
 def test_weights_quantize_a_16_bit_checkpoint_at_store_build(tmp_path, cache_home, weights):
     """--weights on a safetensors checkpoint: each matrix's stored blocks are what the gguf
     package's quantizer makes of it, and the streamed model equals the resident one built from
@@ -459,3 +459,19 @@ def test_the_command_line_offers_every_format_the_runtime_has():
     for dest in ("precision", "draft_precision"):
         action = next(a for a in sub["simulate"]._actions if a.dest == dest)
         assert set(action.choices) == set(PRECISIONS)
+
+
+def test_distill_starts_a_student_from_a_quantized_targets_dequantized_layers(mixed, cache_home):
+    from offload_engine.apps.distill import DistillOptions, init_student, load_teacher
+    from offload_engine.engine import resolve_target
+    src, f32 = mixed
+    side = resolve_target(src, progress=False)
+    cfg = load_config(side)
+    teacher, engine = load_teacher(side, DistillOptions(offload="none"), progress=False)
+    try:
+        tensors, _ = init_student(teacher, side, cfg, (1,), torch.Generator().manual_seed(0))
+    finally:
+        engine.close()
+    want = Checkpoint(f32, load_config(f32)).load_layer(1, torch.float32)
+    for name, w in want.items():
+        assert torch.equal(tensors[f"model.layers.0.{name}"], w), name
