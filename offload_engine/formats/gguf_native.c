@@ -16,9 +16,18 @@
 #include <omp.h>
 #endif
 
-/* IEEE half -> float, exact for every half (subnormals, infinities and NaN payloads included). */
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* IEEE half -> float, exact for every half (subnormals and infinities included). With F16C the
+ * CPU's own conversion, which also makes a signalling NaN quiet; every caller multiplies or adds
+ * the value before it is stored, which makes it quiet anyway, so the two agree bit for bit. */
 static inline float half_to_float(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss((unsigned short)h);
+#endif
     uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
     if (exp == 0) {
         if (man == 0) {
@@ -47,17 +56,18 @@ static void q8_0(const uint8_t *restrict b, float *restrict w) {
 static void q4(const uint8_t *restrict b, float *restrict w, int with_min) {
     float d = half_to_float(b), m = with_min ? half_to_float(b + 2) : 0.0f;
     const uint8_t *qs = b + (with_min ? 4 : 2);
+    int q[32];
+    for (int i = 0; i < 16; i++) {
+        q[i] = qs[i] & 0x0f;
+        q[i + 16] = qs[i] >> 4;
+    }
     if (with_min) {
-        for (int i = 0; i < 16; i++) {
-            float lo = d * (float)(qs[i] & 0x0f), hi = d * (float)(qs[i] >> 4);
-            w[i] = lo + m;
-            w[i + 16] = hi + m;
+        for (int i = 0; i < 32; i++) {
+            float x = d * (float)q[i];
+            w[i] = x + m;
         }
     } else {
-        for (int i = 0; i < 16; i++) {
-            w[i] = d * (float)((int)(qs[i] & 0x0f) - 8);
-            w[i + 16] = d * (float)((int)(qs[i] >> 4) - 8);
-        }
+        for (int i = 0; i < 32; i++) w[i] = d * (float)(q[i] - 8);
     }
 }
 
