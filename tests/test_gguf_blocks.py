@@ -120,3 +120,25 @@ def test_compiled_half_conversion_is_exact_for_every_half():
     assert gguf_native.dequantize_into(torch.from_numpy(blocks.reshape(-1)), "Q8_0", out, 32, 34)
     want = quants.dequantize(blocks, T.Q8_0).reshape(-1)
     np.testing.assert_array_equal(_bits(out.numpy()), _bits(want))
+
+
+def test_the_portable_build_of_the_compiled_loop_equals_the_torch_path():
+    """Built without -march=native (no F16C, no AVX2: the scalar code a CPU without them runs,
+    which the native build on this machine never does), every format against the torch path."""
+    from offload_engine.formats import gguf_native
+    if not gguf_native.available():
+        pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
+    lib = gguf_native._build([f for f in gguf_native.FLAGS if not f.startswith("-march")])
+    rng = np.random.default_rng(7)
+    for qtype, kind in gguf_native.KINDS.items():
+        block, size = gguf_blocks.BLOCK_SIZES[qtype]
+        n = 300
+        raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        for lo, hi in K_QUANTS.get(qtype, [(0, 2), (2, 4)] if qtype in ("Q4_1", "Q5_1") else [(0, 2)]):
+            raw[:, lo:hi] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+        raw[0, :2] = np.frombuffer(np.float16(6e-8).tobytes(), np.uint8)  # a subnormal scale
+        data = torch.from_numpy(raw.reshape(-1).copy())
+        out = torch.full((n * block,), float("nan"))
+        assert lib.dequantize(data.data_ptr(), out.data_ptr(), n, kind, 1) == 0
+        want = gguf_blocks.dequantize_into(data, qtype, torch.empty(n * block), native=False)
+        np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()), err_msg=qtype)

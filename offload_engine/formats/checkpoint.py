@@ -122,7 +122,8 @@ class Checkpoint:
         for name, shape in self.shapes.items():
             self._shape_of(name, shape)
 
-    def _shape_of(self, name: str, expected: tuple[int, ...]) -> None:
+    def _shape_of(self, name: str, expected: tuple[int, ...]) -> str:
+        """Checks the tensor's header against `expected`; returns its stored dtype (F32, F16, BF16)."""
         if name not in self.file_of:
             raise UserError(f"{self.folder}: tensor {name} is missing from the checkpoint")
         path = self.file_of[name]
@@ -138,6 +139,7 @@ class Checkpoint:
         if shape != tuple(expected):
             raise UserError(f"{path}: tensor {name} has shape {list(shape)}, "
                             f"but config.json implies {list(expected)}")
+        return dtype
 
     def load(self, name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
         """One tensor, shape-checked, cast to dtype and moved to device."""
@@ -162,11 +164,7 @@ class Checkpoint:
 
     def source_formats(self) -> dict[str, str]:
         """Each tensor's stored type as GGUF names it (F32, F16, BF16), from the headers."""
-        out = {}
-        for name in self.shapes:
-            self._shape_of(name, self.shapes[name])
-            out[name] = self._handle(self.file_of[name]).get_slice(name).get_dtype()
-        return out
+        return {name: self._shape_of(name, shape) for name, shape in self.shapes.items()}
 
     def close(self) -> None:
         for handle in self._handles.values():

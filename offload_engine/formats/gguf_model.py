@@ -155,13 +155,10 @@ class GGUFCheckpoint:
         """The tensor's GGUF type (F32 for a bias the file lacks, which reads as zeros)."""
         return self._entry(name).qtype
 
-    def raw(self, name: str) -> torch.Tensor:
+    def raw(self, name: str, rows: int | None = None) -> torch.Tensor:
         """uint8 [rows, bytes per row]: the file's blocks in Hugging Face row order (llama.cpp's
-        q/k row permutation undone on whole rows: a block never spans two rows)."""
-        return self.raw_rows(name)
-
-    def raw_rows(self, name: str, rows: int | None = None) -> torch.Tensor:
-        """The first `rows` rows of `raw(name)` (all by default), reading only those from the file."""
+        q/k row permutation undone on whole rows: a block never spans two rows); only the first
+        `rows` rows when given, and only those read from the file."""
         t = self._entry(name)
         matrix = len(t.shape) > 1
         if not t.gguf_name:
@@ -202,7 +199,7 @@ def tensor_head(folder: Path, name: str, nbytes: int) -> bytes:
     if not t.gguf_name:
         raise KeyError(name)
     rows = min(t.shape[0], max(1, math.ceil(nbytes / 4 / t.shape[-1])))
-    raw = ckpt.raw_rows(name, rows)
+    raw = ckpt.raw(name, rows)
     ckpt.close()
     w = gguf_blocks.dequantize(raw.reshape(-1).contiguous(), t.qtype, (raw.shape[0], t.shape[-1]))
     return w.numpy().tobytes()[:nbytes]

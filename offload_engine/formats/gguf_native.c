@@ -27,7 +27,7 @@ static inline float half_to_float(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
 #if defined(__F16C__)
     return _cvtsh_ss((unsigned short)h);
-#endif
+#else
     uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
     if (exp == 0) {
         if (man == 0) {
@@ -45,6 +45,7 @@ static inline float half_to_float(const uint8_t *p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 static void q8_0(const uint8_t *restrict b, float *restrict w) {
@@ -75,8 +76,7 @@ static void q4_avx2(const uint8_t *restrict b, float *restrict w, int with_min) 
 static void q4(const uint8_t *restrict b, float *restrict w, int with_min) {
 #if defined(__AVX2__)
     q4_avx2(b, w, with_min);
-    return;
-#endif
+#else
     float d = half_to_float(b), m = with_min ? half_to_float(b + 2) : 0.0f;
     const uint8_t *qs = b + (with_min ? 4 : 2);
     int q[32];
@@ -92,6 +92,7 @@ static void q4(const uint8_t *restrict b, float *restrict w, int with_min) {
     } else {
         for (int i = 0; i < 32; i++) w[i] = d * (float)(q[i] - 8);
     }
+#endif
 }
 
 static void q5(const uint8_t *restrict b, float *restrict w, int with_min) {

@@ -47,25 +47,26 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def _build(flags: list[str] = FLAGS) -> ctypes.CDLL:
+    """The library compiled with `flags` (cached by source, compiler, CPU and flags), loaded."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_id().encode()
-                         + " ".join(FLAGS).encode()).hexdigest()[:16]
+                         + " ".join(flags).encode()).hexdigest()[:16]
     folder = cache_root() / "native"
     lib = folder / f"gguf_native-{key}.so"
     if not lib.exists():
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{lib.name}.tmp-{os.getpid()}"
         try:
-            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                  timeout=120)
-            if proc.returncode != 0:  # -fopenmp is what a minimal toolchain may lack
-                flags = [f for f in FLAGS if f != "-fopenmp"]
-                proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True,
-                                      text=True, timeout=120)
+            # -fopenmp is what a minimal toolchain may lack: then a build without it
+            for attempt in (flags, [f for f in flags if f != "-fopenmp"]):
+                proc = subprocess.run([cc, *attempt, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                      timeout=120)
+                if proc.returncode == 0:
+                    break
             if proc.returncode != 0:
                 raise OSError(f"{cc} failed: {proc.stderr.strip()[-300:]}")
             os.replace(tmp, lib)

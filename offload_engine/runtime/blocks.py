@@ -51,13 +51,9 @@ def storage_format(source: str, shape: tuple[int, ...], dtype: torch.dtype, weig
     return fmt
 
 
-def row_bytes(fmt: str, cols: int) -> int:
-    return gguf_blocks.nbytes(fmt, cols)
-
-
 def tensor_bytes(fmt: str, shape: tuple[int, ...]) -> int:
     rows = shape[0] if len(shape) > 1 else 1
-    return rows * row_bytes(fmt, shape[-1])
+    return rows * gguf_blocks.nbytes(fmt, shape[-1])
 
 
 def check_shape(fmt: str, shape: tuple[int, ...], name: str) -> None:
@@ -68,12 +64,11 @@ def check_shape(fmt: str, shape: tuple[int, ...], name: str) -> None:
 
 
 def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """float [rows, cols] -> uint8 [rows, bytes per row] in `fmt`, the bytes the `gguf` package's
-    quantizers make (tests/test_quantized_weights.py compares them): its float32 operations, in
-    torch, on w's device, so a 70B store builds in minutes rather than the numpy code's hour."""
+    """float [rows, cols] -> uint8 [rows, bytes per row] in `fmt` (one of QUANTIZERS), the bytes
+    the `gguf` package's quantizers make (tests/test_quantized_weights.py compares them): its
+    float32 operations, in torch, on w's device, so a 70B store builds in minutes rather than the
+    numpy code's hour."""
     rows = w.shape[0]
-    if fmt in FLOAT_FORMATS:
-        return w.to(FLOAT_FORMATS[fmt]).contiguous().view(torch.uint8).reshape(rows, -1)
     if fmt not in QUANTIZERS:
         raise ValueError(f"cannot quantize to {fmt} (only {', '.join(QUANTIZERS)})")
     blocks = w.float().reshape(-1, 32)
@@ -139,7 +134,3 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.dense(), bias)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
