@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import secrets
 import sys
 import threading
@@ -19,7 +18,7 @@ from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH
 from sequoia_trees.sampling import SamplingParams
 
 from .errors import UserError
-from .formats.checkpoint import fingerprint, layer_shapes, open_checkpoint
+from .formats.checkpoint import fingerprint, open_checkpoint
 from .formats.config import ModelConfig, load_config, parse_dtype
 from .formats.gguf_model import is_sidecar
 from .formats.detokenize import TextStream
@@ -29,7 +28,7 @@ from .runtime.blocks import parse_weights
 from .runtime.layer_store import StoreLayout, store_layout
 from .runtime.loader import OffloadOptions, load_target, make_placement
 from .runtime.model import Transformer
-from .runtime.placement import PlacementPlan, kv_cache_bytes, model_bytes
+from .runtime.placement import PlacementPlan, kv_cache_bytes, largest_matrix_bytes, model_bytes
 from .runtime.quant import DEFAULT_GROUP_SIZE
 from .speculation.acceptance_store import draft_key, nearest, stored_vectors
 from .speculation.decoder import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
@@ -150,9 +149,7 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
             layers = store_layout(ckpt, dtype).total_bytes
         finally:
             ckpt.close()
-        dense_layers = draft_cfg.num_layers * model_bytes(draft_cfg, dtype, layers_only=True)
-        per_use = max(math.prod(s) for s in layer_shapes(draft_cfg).values()) * dtype.itemsize  # one dense matrix
-        return model_bytes(draft_cfg, dtype) - dense_layers + layers + per_use, folder, draft_cfg
+        return model_bytes(draft_cfg, dtype, layers) + largest_matrix_bytes(draft_cfg, dtype), folder, draft_cfg
     return model_bytes(draft_cfg, dtype), folder, draft_cfg
 
 

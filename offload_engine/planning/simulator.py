@@ -41,7 +41,7 @@ from ..errors import UserError
 from ..formats.checkpoint import global_shapes, layer_shapes
 from ..formats import gguf_blocks
 from ..formats.config import ModelConfig
-from ..runtime.placement import DEVICE_MARGIN_BYTES, GIB, PlacementPlan, fmt_bytes, make_plan
+from ..runtime.placement import DEVICE_MARGIN_BYTES, GIB, PlacementPlan, fmt_bytes, largest_matrix_bytes, make_plan
 from ..runtime.quant import quantized_bytes
 from ..speculation.acceptance_store import known_vectors, nearest
 from .auto_tree import budget_grid
@@ -226,7 +226,7 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precis
                         f"{cfg.vocab_size}: a draft must share the target's tokenizer")
     draft_b = model_bytes(draft_cfg, draft_precision) if draft_cfg is not None else 0
     if draft_cfg is not None and draft_precision in GGUF_FORMATS:  # its per-use dense matrix
-        draft_b += 2 * max(math.prod(s) for s in layer_shapes(draft_cfg).values())
+        draft_b += largest_matrix_bytes(draft_cfg, torch.float16)
     vram_b = vram if vram is not None else spec.vram_bytes - DEVICE_MARGIN_BYTES
     plan = make_plan(cfg, torch.float16, offload=offload, vram_bytes=vram_b,
                      ram_bytes=max(0, ram - a.host_reserve_bytes), buffers=2, max_context=a.max_context,

@@ -121,15 +121,20 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
-def model_bytes(cfg: ModelConfig, dtype: torch.dtype, layers_only: bool = False) -> int:
-    """Bytes of a whole model held resident in `dtype` (e.g. a draft): every tensor, no padding
-    (layers_only: one decoder layer's)."""
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype, layers_bytes: int | None = None) -> int:
+    """Bytes of a whole model held resident in `dtype` (e.g. a draft): every tensor, no padding;
+    with `layers_bytes`, its decoder layers take that instead (a draft kept in its blocks)."""
     from ..formats.checkpoint import global_shapes
     elt = torch.empty((), dtype=dtype).element_size()
     count = lambda shapes: sum(math.prod(s) for s in shapes.values())  # noqa: E731
-    if layers_only:
-        return count(layer_shapes(cfg)) * elt
-    return (count(global_shapes(cfg)) + cfg.num_layers * count(layer_shapes(cfg))) * elt
+    layers = cfg.num_layers * count(layer_shapes(cfg)) * elt if layers_bytes is None else layers_bytes
+    return count(global_shapes(cfg)) * elt + layers
+
+
+def largest_matrix_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One layer's largest matrix in `dtype`: the scratch a matrix kept in blocks is dequantized
+    into for each use."""
+    return max(math.prod(s) for s in layer_shapes(cfg).values()) * dtype.itemsize
 
 
 def kv_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
@@ -196,7 +201,7 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
     if whole and dense is not None and need + L * dense <= vram_bytes:
         return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes, **common)
     # per-use dequantization of a resident matrix needs its dense copy for the while: the largest
-    biggest = max(math.prod(s) for s in layer_shapes(cfg).values()) * dtype.itemsize if scratch else 0
+    biggest = largest_matrix_bytes(cfg, dtype) if scratch else 0
     if whole and scratch and need + biggest + sum(sizes) <= vram_bytes:
         fixed["dequant scratch (one matrix)"] = biggest  # every layer resident, in its blocks
         return PlacementPlan(L, layer, tuple(range(L)), (), (), 0, fixed, vram_bytes, ram_bytes,
