@@ -141,11 +141,15 @@ class StoreLayout:
     def total_bytes(self) -> int:
         return sum(self.sizes)
 
-    def packed_shapes(self, layers=None) -> dict[str, tuple[int, ...]]:
-        """Every slot name some layer (of `layers`, default all) keeps packed, with its shape: the
-        compute-dtype scratch a layer buffer needs to convert any of those layers."""
+    def packed_slots(self, layers=None) -> list[TensorSlot]:
+        """The slots the layers (of `layers`, default all) keep in another format than the compute dtype."""
         picks = range(len(self.layouts)) if layers is None else layers
-        return {s.name: s.shape for i in picks for s in self.layouts[i].slots if s.name in self.layouts[i].packed}
+        return [s for i in picks for s in self.layouts[i].slots if s.name in self.layouts[i].packed]
+
+    def packed_shapes(self, layers=None) -> dict[str, tuple[int, ...]]:
+        """Every slot name some of those layers keep packed, with its shape: the compute-dtype
+        scratch a layer buffer needs to convert any of them."""
+        return {s.name: s.shape for s in self.packed_slots(layers)}
 
     def scratch_bytes(self, layers=None) -> int:
         dtype = self.layouts[0].dtype

@@ -181,8 +181,7 @@ class LayerExecutor:
     def _warm_up(self) -> None:
         """Build what the first conversion of each stored format would otherwise build inside
         the first pass: the compiled CPU loop, or the GPU kernel of each format."""
-        formats = {s.fmt for i in self.order for s in self.layout.layouts[i].slots
-                   if s.name in self.layout.layouts[i].packed}
+        formats = {s.fmt for s in self.layout.packed_slots(self.order)}
         for fmt in sorted(formats):
             block, size = BLOCK_SIZES[fmt]
             to_dense(torch.zeros(size, dtype=torch.uint8, device=self.device), fmt, (1, block),
