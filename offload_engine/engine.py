@@ -220,6 +220,8 @@ class Engine:
         # present they shape --tree sequoia, the one nearest each generation's temperature
         self.stored_acceptance: dict = {}
         self.auto_plans: dict = {}  # --tree auto: temperature -> auto_tree.AutoPlan
+        self.planners: dict = {}  # --tree auto: temperature -> adaptive.OnlinePlanner (what it learned carries over)
+        self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
         # stops the loader thread when the engine is closed, collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, model.layers.close)
         self.plan = plan
@@ -248,7 +250,7 @@ class Engine:
              tree: str = "auto", tree_budget: int | None = None, tree_depth: int | None = None,
              specinfer_width: int = 4,
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
-             cache_slots: int = 1, weights: str = "auto", progress: bool = True) -> "Engine":
+             cache_slots: int = 1, weights: str = "auto", adapt: bool = True, progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -265,6 +267,8 @@ class Engine:
         (each one reserved in the placement plan, for the target and the draft). `weights` is the
         format streamed layers are stored in (`runtime.blocks`: "auto" keeps the checkpoint's own,
         GGUF blocks included; "bf16", "f16", "f32", "q8_0", "q4_0", "q4_1" convert at store build).
+        With tree "auto" and `adapt` (the default), each generation re-chooses the tree every few
+        steps from what its steps measure (`planning.adaptive`); adapt=False keeps the choice fixed.
         """
         auto = tree == "auto"
         if auto:
@@ -308,6 +312,7 @@ class Engine:
         engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, spec.max_nodes),
                      draft_model, spec if draft_model is not None else TreeSpec(), cache_slots)
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
+        engine.adapt = adapt
         if auto and draft_model is not None:
             engine._plan_auto(acceptance, cap_budget, cap_depth, progress)
         return engine
@@ -315,6 +320,7 @@ class Engine:
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
                    progress: bool) -> None:
         from .planning import auto_tree, profiler
+        from .planning.adaptive import OnlinePlanner
         from .speculation import measure
         prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
@@ -322,6 +328,8 @@ class Engine:
         vectors = ({0.0: (acceptance, Path("given"))} if acceptance is not None
                    else measure.vectors_for(self, progress))
         self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth)
+        self.planners = {t: OnlinePlanner(p.vector, p.timings, p.candidates, max_depth, self.adapt)
+                         for t, p in self.auto_plans.items()}
         if progress:
             for plan in self.auto_plans.values():
                 print(f"sequoia-offload: {plan.describe()}", file=sys.stderr)
@@ -405,19 +413,22 @@ class Engine:
         budget = min(max_new_tokens, self.max_context - len(ids))
         spec = self.tree if self.draft is not None else TreeSpec()
         source = "generic" if spec.acceptance == GENERIC_ACCEPTANCE else "given"
-        auto = None
+        auto = planner = None
         if self.auto_plans and self.draft is not None:
             t = min(self.auto_plans, key=lambda k: (abs(k - params.temperature), k))
-            auto = self.auto_plans[t]
-            spec, source = auto.spec, auto.source
+            auto, planner = self.auto_plans[t], self.planners[t]
+            planner.adapt = self.adapt
+            spec, source = planner.begin(), auto.source
         elif spec.kind == "sequoia" and self.stored_acceptance:
             vector, path, t = nearest(self.stored_acceptance, params.temperature)
             spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
         if self.prefix_cache is not None:
             self.prefix_cache.select(self.model, ids)
         # (--tree none, or auto choosing plain decoding: the decoder leaves the draft idle)
+        adaptive = planner is not None and planner.adapt
         decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
-                                     self.prefix_cache)
+                                     self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
+                                     timed=adaptive)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -425,7 +436,10 @@ class Engine:
         prefill_s = time.perf_counter() - start
         new: list[int] = []
         steps, by_rank = 0, [0] * max(1, spec.acceptance.width if spec.kind == "sequoia" else spec.max_nodes)
-        by_length = [0] * spec.depth  # steps by the number of tree nodes they accepted (0 .. depth-1)
+        if planner is not None:
+            by_rank = [0] * planner.candidates.acceptance.width
+        # steps by the number of tree nodes they accepted (0 .. depth-1)
+        by_length = [0] * (planner.max_depth if adaptive else spec.depth)
         pending = [token]
         while True:
             done, eos = self._emit(pending, new, stream, budget, on_token)
@@ -437,6 +451,10 @@ class Engine:
                 by_rank[min(rank, len(by_rank) - 1)] += 1
             by_length[min(len(step.verify.accepted), len(by_length) - 1)] += 1
             pending = step.tokens
+            if planner is not None:  # the next step's tree, from this step and the ones before
+                nxt = planner.record(decoder.spec, step.verify, decoder.last_times, steps == 1)
+                if nxt is not None:
+                    decoder.set_spec(nxt)
         finish = "stop" if eos or stream.stopped else "length"
         seconds = time.perf_counter() - start
         stats = {"prompt_tokens": len(ids), "cached_prompt_tokens": decoder.reused_tokens,
@@ -447,14 +465,7 @@ class Engine:
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
                  "acceptance_by_rank": by_rank, "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
-                 "auto": None if auto is None else {
-                     "temperature": auto.temperature, "budget": auto.choice.budget, "depth": auto.choice.depth,
-                     "predicted_tokens_per_step": auto.choice.tokens_per_step,
-                     "predicted_seconds_per_token": auto.choice.seconds_per_token,
-                     "predicted_plain_seconds_per_token": auto.plain_seconds_per_token,
-                     "predicted_speedup": auto.predicted_speedup,
-                     "best_tree": [auto.best_tree.budget, auto.best_tree.depth],
-                     "best_tree_predicted_seconds_per_token": auto.best_tree.seconds_per_token},
+                 "auto": None if auto is None else _auto_stats(auto, planner),
                  **self.model.layers.snapshot().minus(before).as_dict()}
         return GenerationResult(stream.text, new, finish, stats)
 
@@ -473,3 +484,18 @@ class Engine:
             if done:
                 return True, eos
         return False, False
+
+
+def _auto_stats(auto, planner) -> dict:
+    """`stats["auto"]`: the tree the generation started with and what was predicted for it then
+    (from the profile, or from what earlier generations taught the planner), the trees its steps
+    used, the per-step forecast, and plain decoding's predicted time as the steps measured it."""
+    start, log, best = planner.log.start, planner.log, auto.best_tree
+    return {"temperature": auto.temperature, "budget": start.budget, "depth": start.depth, "adapt": planner.adapt,
+            "predicted_tokens_per_step": start.tokens_per_step,
+            "predicted_seconds_per_token": start.seconds_per_token,
+            "predicted_plain_seconds_per_token": planner.log.start_plain_seconds,
+            "predicted_speedup": planner.log.start_plain_seconds / start.seconds_per_token,
+            "best_tree": [best.budget, best.depth], "best_tree_predicted_seconds_per_token": best.seconds_per_token,
+            "adapted_plain_seconds_per_token": planner.predicted_plain(), **log.as_dict()}
+

@@ -3,10 +3,15 @@
 For every candidate (budget n, depth d) the optimal tree is read from one DP table; its value
 G(n, d) is the expected tokens per step, and one step costs
 
-    t_target(n) + sum over the tree's levels of t_draft(width of that level) + t_step
+    t_target(n) + f * (sum over the tree's levels of t_draft(width of that level)) + a + b * n
 
 (the target verifies all n nodes in one pass; the draft runs once per level, the leaves included,
-so that an accepted leaf has its K/V). Tokens per second = G(n, d) / that. Timings are
+so that an accepted leaf has its K/V; f < 1 when the loader prefetches the next pass's layers
+while the draft runs, a the per-step constant, b the per-node cost of verification and commits;
+f, a and b are fitted to real steps by the profiler). Tokens per second = G(n, d) / that.
+Plain decoding costs t_target(1) + its own constant. `Candidates` keeps every (n, d)'s value and
+level widths, so that new timings are re-evaluated without filling the DP again (online
+re-planning). Timings are
 interpolated linearly between measured points (`Timings`); budgets beyond the largest measured
 target width are not considered (no extrapolation). Numbers in, numbers out: the caller measures
 (profiler) or models (simulator) the timings.
@@ -45,15 +50,19 @@ def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
 @dataclass(frozen=True)
 class Timings:
     """Seconds of one target pass over n tokens (after a prefix), of one draft level of w nodes
-    (forward and drawing the children), and a fixed correction per speculation step (positive:
-    verification and commits; negative: the next pass's first layers loading while the draft
-    runs); widths strictly increasing. Plain decoding costs target(1), no correction."""
+    (forward and drawing the children); widths strictly increasing. A speculation step adds
+    `step_seconds` (the per-step constant: verification, commits; negative where the next pass's
+    first layers load while the draft runs), `node_seconds` per tree node, and pays the draft's
+    levels times `draft_factor`. Plain decoding costs target(1) + `plain_seconds`."""
 
     target_tokens: tuple[int, ...]
     target_seconds: tuple[float, ...]
     draft_widths: tuple[int, ...]
     draft_seconds: tuple[float, ...]
     step_seconds: float = 0.0
+    node_seconds: float = 0.0
+    draft_factor: float = 1.0
+    plain_seconds: float = 0.0
 
     def __post_init__(self):
         for name, xs, ys in (("target", self.target_tokens, self.target_seconds),
@@ -64,8 +73,11 @@ class Timings:
                 raise ValueError(f"{name} widths must be >= 1 and strictly increasing, got {xs}")
             if any(not (y >= 0) for y in ys):
                 raise ValueError(f"{name} times must be >= 0, got {ys}")
-        if not math.isfinite(self.step_seconds):
-            raise ValueError(f"step_seconds must be finite, got {self.step_seconds}")
+        for name in ("step_seconds", "node_seconds", "plain_seconds"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if not (math.isfinite(self.draft_factor) and self.draft_factor >= 0):
+            raise ValueError(f"draft_factor must be finite and >= 0, got {self.draft_factor}")
 
     def target(self, n: int) -> float:
         return interpolate(self.target_tokens, self.target_seconds, n)
@@ -73,6 +85,18 @@ class Timings:
     def draft(self, w: int) -> float:
         return interpolate(self.draft_widths, self.draft_seconds, min(w, self.draft_widths[-1])) * \
             max(1.0, w / self.draft_widths[-1])  # wider than measured: in slices of the widest
+
+    def plain(self) -> float:
+        """One plain decoding step: a one-token pass and a draw."""
+        return max(self.target(1), self.target(1) + self.plain_seconds)
+
+    def step(self, n: int, widths: tuple[int, ...]) -> tuple[float, float, float]:
+        """(seconds, target part, draft part) of a speculation step over a tree of n nodes whose
+        levels have these widths; never shorter than its own target pass."""
+        t_target = self.target(n)
+        t_draft = sum(self.draft(w) for w in widths)
+        total = t_target + self.draft_factor * t_draft + self.step_seconds + self.node_seconds * n
+        return max(t_target, total), t_target, t_draft
 
 
 @dataclass(frozen=True)
@@ -96,8 +120,9 @@ class Choice:
 
     def describe(self) -> str:
         return (f"tree ({self.budget}, {self.depth}): {self.tokens_per_step:.2f} tokens/step predicted, "
-                f"{self.seconds_per_step:.3f} s/step (target {self.target_seconds:.3f} s + draft "
-                f"{self.draft_seconds:.3f} s over {len(self.level_widths)} levels), "
+                f"{self.seconds_per_step:.3f} s/step (target {self.target_seconds:.3f} s, draft "
+                f"{self.draft_seconds:.3f} s over {len(self.level_widths)} levels, the rest "
+                f"{self.seconds_per_step - self.target_seconds - self.draft_seconds:+.3f} s), "
                 f"{self.seconds_per_token:.3f} s/token")
 
 
@@ -111,10 +136,7 @@ def level_widths(tree: TreePlan) -> tuple[int, ...]:
 def evaluate(tree: TreePlan, timings: Timings) -> tuple[float, float, float, tuple[int, ...]]:
     """(seconds per step, target part, draft part, level widths) of one tree."""
     widths = level_widths(tree)
-    t_target = timings.target(tree.size)
-    t_draft = sum(timings.draft(w) for w in widths)
-    # never shorter than its own target pass, whatever the correction
-    return max(t_target, t_target + t_draft + timings.step_seconds), t_target, t_draft, widths
+    return (*timings.step(tree.size, widths), widths)
 
 
 def candidates(timings: Timings, budgets: tuple[int, ...] | None = None) -> list[int]:
@@ -124,27 +146,65 @@ def candidates(timings: Timings, budgets: tuple[int, ...] | None = None) -> list
     return sorted(n for n in grid if 1 <= n <= timings.target_tokens[-1])
 
 
+class Candidates:
+    """Every (budget, depth) of one DP table with its value G and its tree's level widths: the
+    optimizer's precomputed table. `best(timings)` re-evaluates them all under new timings
+    without filling the DP again or rebuilding a tree (milliseconds: what online re-planning
+    calls every few steps). A deeper candidate whose value is no higher than the shallower one's
+    at the same budget is left out (the shallower tree is as good and drafts fewer levels)."""
+
+    def __init__(self, acceptance: AcceptanceVector, budgets: list[int], max_depth: int,
+                 table: TreeTable | None = None):
+        ns = [n for n in budgets if n > 1]
+        self.acceptance = acceptance
+        self.table = table or (TreeTable(acceptance, max(ns), max_depth) if ns else None)
+        self.items: list[tuple[int, int, float, tuple[int, ...]]] = []  # (n, d, G, level widths)
+        self._trees: dict[tuple[int, int], TreePlan] = {}
+        for n in ns:
+            last = -math.inf
+            for d in range(2, max_depth + 1):
+                value = self.table.value(n, d)
+                if not value > last * (1 + 1e-12) + 1e-12:
+                    continue
+                last = value
+                tree = self.table.tree(n, d)
+                self._trees[(n, d)] = tree
+                self.items.append((n, d, value, level_widths(tree)))
+
+    def tree(self, n: int, d: int) -> TreePlan:
+        return self._trees[(n, d)]
+
+    def choice(self, n: int, d: int, timings: Timings) -> Choice:
+        """(n, d) evaluated under `timings` (n = 1: plain decoding)."""
+        if n == 1:
+            plain = TreePlan((-1,), (0,), (0,), 1.0)
+            return Choice(1, 1, 1.0, timings.plain(), timings.target(1), 0.0, (1,), plain)
+        tree = self._trees[(n, d)]
+        step, t_target, t_draft = timings.step(n, level_widths(tree))
+        return Choice(n, d, tree.expected_tokens, step, t_target, t_draft, level_widths(tree), tree)
+
+    def best(self, timings: Timings, allow_plain: bool = True, max_budget: int | None = None) -> Choice:
+        """The candidate with the most expected tokens per second (ties: the one found first,
+        the smaller tree), among budgets up to the widest measured pass (and `max_budget`)."""
+        limit = min(timings.target_tokens[-1], max_budget or timings.target_tokens[-1])
+        best_key, best_rate = ((1, 1), 1.0 / timings.plain()) if allow_plain else (None, -1.0)
+        for n, d, value, widths in self.items:
+            if n > limit:
+                continue
+            rate = value / timings.step(n, widths)[0]
+            if rate > best_rate * (1 + 1e-12):
+                best_key, best_rate = (n, d), rate
+        if best_key is None:
+            return replace(self.choice(1, 1, timings), seconds_per_step=math.inf)
+        return self.choice(*best_key, timings)
+
+
 def choose(acceptance: AcceptanceVector, timings: Timings, budgets: tuple[int, ...] | None = None,
            max_depth: int = DEFAULT_MAX_DEPTH, table: TreeTable | None = None, allow_plain: bool = True) -> Choice:
     """The (budget, depth) with the most expected tokens per second (ties: the smaller tree).
     Budget 1 (plain decoding, no draft) is a candidate unless `allow_plain` is False: a useless
     draft is not used."""
     ns = candidates(timings, budgets)
-    table = table or TreeTable(acceptance, max(ns), max_depth)
-    plain = TreePlan((-1,), (0,), (0,), 1.0)
-    best = Choice(1, 1, 1.0, timings.target(1), timings.target(1), 0.0, (1,), plain)
-    if not allow_plain:
-        best = replace(best, seconds_per_step=math.inf)
-    for n in ns:
-        if n == 1:
-            continue
-        for d in range(2, max_depth + 1):
-            value = table.value(n, d)
-            if value == float("-inf"):
-                continue
-            tree = table.tree(n, d)
-            step, t_target, t_draft, widths = evaluate(tree, timings)
-            c = Choice(n, d, value, step, t_target, t_draft, widths, tree)
-            if c.tokens_per_second > best.tokens_per_second * (1 + 1e-12):
-                best = c
-    return best
+    if table is None and max(ns) > 1:
+        table = TreeTable(acceptance, max(ns), max_depth)
+    return Candidates(acceptance, ns, max_depth, table).best(timings, allow_plain)

@@ -51,6 +51,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tree-depth", type=int, default=None,
                    help="tree levels, the root included (default 8; with --tree auto the most considered, "
                         "default 24)")
+    t.add_argument("--no-adapt", dest="adapt", action="store_false",
+                   help="--tree auto: keep the tree chosen from the profile for the whole generation (default: "
+                        "re-choose it every few steps from what the steps measure)")
     t.add_argument("--specinfer-width", type=int, default=4, help="SpecInfer: independent sequences (default 4)")
     t.add_argument("--acceptance", default=None,
                    help="acceptance vector JSON (from the acceptance command) shaping --tree sequoia")
@@ -212,7 +215,7 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                        specinfer_width=args.specinfer_width, acceptance=_acceptance(args.acceptance),
                        draft_group_size=args.draft_group_size, cache_slots=getattr(args, "cache_slots", 1),
-                       weights=args.weights, progress=not quiet)
+                       weights=args.weights, adapt=getattr(args, "adapt", True), progress=not quiet)
 
 
 def _acceptance(path: str | None):
@@ -236,28 +239,33 @@ def _stats_line(stats: dict) -> str:
     line = (f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s; "
             f"prompt {stats['prompt_tokens']} tokens{reused}, prefill {stats['prefill_seconds']:.2f} s; "
             f"{stats['target_passes']} target passes")
-    if stats["tree"] != "none":
-        line += f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
-    elif not stats.get("auto"):
-        line += ", 1 token/step (plain decoding)"
     auto = stats.get("auto")
+    if stats["tree"] != "none" and not auto:
+        line += f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
+    elif not auto:
+        line += ", 1 token/step (plain decoding)"
     if auto and stats["target_steps"]:
-        decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
-        if auto["budget"] > 1:
-            line += (f", {decode_s:.3f} s/token (auto tree predicted {auto['predicted_tokens_per_step']:.2f} "
-                     f"tokens/step, {auto['predicted_seconds_per_token']:.3f} s/token: "
-                     f"{auto['predicted_speedup']:.2f}x over plain streamed decoding at "
-                     f"{auto['predicted_plain_seconds_per_token']:.3f} s/token)")
-        else:
-            n, d = auto["best_tree"]
-            line += (f", 1 token/step, {decode_s:.3f} s/token (auto: plain streamed decoding, predicted "
-                     f"{auto['predicted_plain_seconds_per_token']:.3f} s/token, faster here than the best tree "
-                     f"({n}, {d}) at {auto['best_tree_predicted_seconds_per_token']:.3f} s/token: "
-                     f"{auto['predicted_plain_seconds_per_token'] / auto['best_tree_predicted_seconds_per_token']:.2f}x)")
+        line += f", {stats['tokens_per_step']:.2f} tokens/step"
+        line += ", " + _auto_summary(stats, auto)
     if stats["bytes_streamed"]:
         line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
                  f"stalled {stats['stall_seconds']:.2f} s")
     return line + f"; finish: {stats['finish_reason']}]"
+
+
+def _auto_summary(stats: dict, auto: dict) -> str:
+    """--tree auto: the trees used, measured s/token against the prediction at the start, and the
+    speed-up over plain streamed decoding as measured (plain's time as this run's steps measured
+    the target) beside the one predicted at the start."""
+    decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
+    start = "plain" if auto["budget"] == 1 else f"({auto['budget']},{auto['depth']})"
+    plain = auto["adapted_plain_seconds_per_token"]
+    text = (f"trees {auto['trees']}{' (adapting)' if auto['adapt'] else ' (--no-adapt)'}; {decode_s:.3f} s/token "
+            f"measured, {auto['predicted_seconds_per_token']:.3f} predicted at the start for {start}")
+    if auto["adapt"] and auto["forecast_seconds_per_token"]:
+        text += f", {auto['forecast_seconds_per_token']:.3f} forecast step by step"
+    return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token as measured here; "
+            f"{auto['predicted_speedup']:.2f}x predicted at the start)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -432,8 +440,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print("| draft level width | greedy s | sampled s |\n|---:|---:|---:|")
     for w, tg, ts in zip(prof.draft_widths, prof.draft_level_greedy_s, prof.draft_level_s):
         print(f"| {w} | {tg:.4f} | {ts:.4f} |")
-    print(f"step residual (a real step minus its parts): greedy {prof.step_residual_greedy_s:+.4f} s, sampled "
-          f"{prof.step_residual_s:+.4f} s; measured in {prof.measure_s:.1f} s")
+    if prof.fit_budgets:
+        print("| real step (nodes, levels) | greedy s | sampled s |\n|---|---:|---:|")
+        for n, d, tg, ts in zip(prof.fit_budgets, prof.fit_depths, prof.fit_step_greedy_s, prof.fit_step_s):
+            print(f"| {'plain' if n == 1 else f'({n}, {d})'} | {tg:.4f} | {ts:.4f} |")
+    for name, g in (("greedy", True), ("sampled", False)):
+        t = prof.timings(greedy=g)
+        cv = prof.fit_cv_error_greedy if g else prof.fit_cv_error
+        print(f"step model, {name}: t_target(n) + {t.draft_factor:.2f} x draft levels {t.step_seconds:+.4f} s "
+              f"{t.node_seconds * 1e3:+.3f} ms/node; plain: t_target(1) {t.plain_seconds:+.4f} s; "
+              f"cross-validated error {cv:.1%} (each real step predicted from a fit to the others)")
+    print(f"measured in {prof.measure_s:.1f} s")
     if args.out:
         Path(args.out).write_text(prof.to_json())
         print(f"-> {args.out}")

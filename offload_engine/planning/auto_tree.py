@@ -6,9 +6,10 @@ Inputs, each measured once and cached:
     stored, a quick on-policy measurement at T=0 and T=0.6 (`speculation.measure.vectors_for`,
     `AUTO_PROMPTS` prompts, width 16) written to <cache>/acceptance/ in the `acceptance` command's
     format.
-Then the optimizer picks (budget, depth) per temperature; each generation uses the choice of the
-vector nearest its temperature. A choice of budget 1 (the draft does not pay for itself) decodes
-plainly.
+Then the optimizer picks (budget, depth) per temperature; each generation starts from the choice
+of the vector nearest its temperature. A choice of budget 1 (the draft does not pay for itself)
+decodes plainly. With adaptation on (the default), `adaptive.OnlinePlanner` then re-chooses
+from the same candidates as the generation measures its steps.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import TreeTable
-from sequoia_trees.optimizer import DEFAULT_BUDGETS, DEFAULT_MAX_DEPTH, Choice, choose
+from sequoia_trees.optimizer import DEFAULT_BUDGETS, DEFAULT_MAX_DEPTH, Candidates, Choice, Timings, candidates
 
 from ..speculation.decoder import TreeSpec
 from .hw_profile import MeasuredProfile
@@ -32,8 +33,10 @@ class AutoPlan:
     vector: AcceptanceVector
     source: str  # the vector's file name
     choice: Choice
-    plain_seconds_per_token: float  # t_target(1): plain streamed decoding, predicted
+    plain_seconds_per_token: float  # a plain step: plain streamed decoding, predicted
     best_tree: Choice  # the best speculative tree, chosen or not
+    timings: Timings  # the profile's step model for this temperature (greedy or sampled)
+    candidates: Candidates  # every (budget, depth) of the DP table, for re-planning
 
     @property
     def spec(self) -> TreeSpec:
@@ -64,13 +67,11 @@ def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MA
     plans = {}
     for t, (vector, path) in vectors.items():
         timings = profile.timings(greedy=t == 0)
-        ns = [n for n in budgets if n <= timings.target_tokens[-1]] or [1]
-        table = TreeTable(vector, max(max(ns), 2), max_depth)
-        choice = choose(vector, timings, budgets=budgets, max_depth=max_depth, table=table)
-        best_tree = choice if choice.budget > 1 else choose(vector, timings, budgets=budgets, max_depth=max_depth,
-                                                            table=table, allow_plain=False)
-        plain = timings.target(1)
-        plans[t] = AutoPlan(t, vector, Path(path).name, choice, plain, best_tree)
+        ns = candidates(timings, budgets)
+        cands = Candidates(vector, ns, max_depth, TreeTable(vector, max(max(ns), 2), max_depth))
+        choice = cands.best(timings)
+        best_tree = choice if choice.budget > 1 else cands.best(timings, allow_plain=False)
+        plans[t] = AutoPlan(t, vector, Path(path).name, choice, timings.plain(), best_tree, timings, cands)
     return plans
 
 

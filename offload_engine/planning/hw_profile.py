@@ -73,12 +73,26 @@ class MeasuredProfile:
     target_pass_s: tuple[float, ...]
     draft_widths: tuple[int, ...]
     draft_level_s: tuple[float, ...]
-    step_residual_s: float  # a real step minus its parts' prediction (negative: overlap); sampled
+    step_residual_s: float  # the per-step constant of the step model (negative: overlap); sampled
     draft_level_greedy_s: tuple[float, ...]  # the draft's level time when decoding greedily
     step_residual_greedy_s: float
     measured_at: str
     measure_s: float
     kind: str = "measured"
+    # the step model fitted to real steps (profiles before it lack these: no per-node term, the
+    # draft's levels paid in full, plain steps costing their pass)
+    step_per_node_s: float = 0.0
+    step_per_node_greedy_s: float = 0.0
+    draft_factor: float = 1.0  # the share of the draft's level time a real step pays
+    draft_factor_greedy: float = 1.0
+    plain_step_s: float = 0.0  # a real plain step minus its one-token pass
+    plain_step_greedy_s: float = 0.0
+    fit_budgets: tuple[int, ...] = ()  # the real steps timed: tree shapes (budget 1: plain)
+    fit_depths: tuple[int, ...] = ()
+    fit_step_s: tuple[float, ...] = ()  # their medians, sampled and greedy
+    fit_step_greedy_s: tuple[float, ...] = ()
+    fit_cv_error: float = 0.0  # mean |predicted / measured - 1| over shapes left out of the fit
+    fit_cv_error_greedy: float = 0.0
 
     def timings(self, greedy: bool = False):
         """The optimizer's input for greedy or sampled decoding: times made non-decreasing in
@@ -86,24 +100,30 @@ class MeasuredProfile:
         from itertools import accumulate
 
         from sequoia_trees.optimizer import Timings
-        draft = self.draft_level_greedy_s if greedy else self.draft_level_s
-        residual = self.step_residual_greedy_s if greedy else self.step_residual_s
+        g = greedy
+        draft = self.draft_level_greedy_s if g else self.draft_level_s
         return Timings(tuple(self.target_tokens), tuple(accumulate(self.target_pass_s, max)),
-                       tuple(self.draft_widths), tuple(accumulate(draft, max)), residual)
+                       tuple(self.draft_widths), tuple(accumulate(draft, max)),
+                       self.step_residual_greedy_s if g else self.step_residual_s,
+                       self.step_per_node_greedy_s if g else self.step_per_node_s,
+                       self.draft_factor_greedy if g else self.draft_factor,
+                       self.plain_step_greedy_s if g else self.plain_step_s)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
 
 # numeric fields that may be zero; one that may be negative; every other number must be > 0
-_MAY_BE_ZERO = {"stream_gb_per_s", "measure_s"}
-_SIGNED = {"step_residual_s", "step_residual_greedy_s"}
+_MAY_BE_ZERO = {"stream_gb_per_s", "measure_s", "draft_factor", "draft_factor_greedy", "fit_cv_error",
+                "fit_cv_error_greedy"}
+_SIGNED = {"step_residual_s", "step_residual_greedy_s", "step_per_node_s", "step_per_node_greedy_s", "plain_step_s",
+           "plain_step_greedy_s"}
 
 
 def _check_number(path: Path, key: str, value: Any, unit: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{path}: field {key!r} must be a number (in {unit.lstrip('_').replace('_', ' ')}), "
-                        f"got {value!r}")
+        unit = f" (in {unit.lstrip('_').replace('_', ' ')})" if unit else ""
+        raise UserError(f"{path}: field {key!r} must be a number{unit}, got {value!r}")
     value = float(value) if abs(value) < 1e300 else math.inf
     if key in _SIGNED:
         if not math.isfinite(value):
@@ -137,6 +157,9 @@ def from_dict(cls, data: Any, path: Path):
         value = data[name]
         unit = _stem(name)[1]
         is_list = str(f.type).startswith("tuple")
+        if is_list and value == [] and f.default == ():  # an optional list, given empty
+            values[name] = ()
+            continue
         if is_list and not isinstance(value, list):
             raise UserError(f"{path}: field {name!r} must be a list, got {value!r}")
         if unit:
@@ -151,6 +174,8 @@ def from_dict(cls, data: Any, path: Path):
                     isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
                 raise UserError(f"{path}: field {name!r} must be a list of positive whole numbers, got {value!r}")
             value = tuple(value)
+        elif f.type == "float":  # a number without a unit (a factor, a fraction)
+            value = _check_number(path, name, value, "")
         elif f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise UserError(f"{path}: field {name!r} must be a positive whole number, got {value!r}")
         elif f.type == "str" and not isinstance(value, str):
@@ -193,7 +218,8 @@ def load_measured(path: Path) -> MeasuredProfile:
     data = _read(path)
     prof = from_dict(MeasuredProfile, data, path)
     for xs, ys in (("target_tokens", "target_pass_s"), ("draft_widths", "draft_level_s"),
-                   ("draft_widths", "draft_level_greedy_s")):
+                   ("draft_widths", "draft_level_greedy_s"), ("fit_budgets", "fit_depths"), ("fit_budgets", "fit_step_s"),
+                   ("fit_budgets", "fit_step_greedy_s")):
         if len(getattr(prof, xs)) != len(getattr(prof, ys)):
             raise UserError(f"{path}: fields {xs!r} and {ys!r} differ in length")
     try:

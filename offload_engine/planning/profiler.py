@@ -8,11 +8,16 @@ For one loaded engine (target placed by its plan, draft resident) it measures:
     TARGET_WIDTHS, stopping early when the time budget is spent (then the optimizer searches
     only the widths measured);
   * t_draft(w): one draft level of w nodes (forward, probabilities and children drawn for each);
-  * the step residual, greedy and sampled: one real speculation step of a (64, 8) tree, timed
-    whole, minus what the two parts above predict for it (verification and commits add; the
-    loader prefetching the next pass's first layers while the draft runs takes away), so it may
-    be negative.
-Greedy and sampled decoding get their own draft and residual times: sampling costs more per node.
+  * real speculation steps of several tree shapes (budgets 4 to 256, depths 3 to 12, and a plain
+    step), greedy and sampled, each timed whole (the median of repeats), to which the step model
+    the optimizer uses is fitted by least squares: step = t_target(n) + f * (the draft's levels)
+    + a + b * n, with a the per-step constant (verification and commits add; the loader
+    prefetching the next pass's first layers while the draft runs takes away, so it may be
+    negative), b the per-node cost and f the share of the draft's time a step pays (below 1 when
+    prefetching overlaps it). A plain step gets its own constant. The fit's error is measured by
+    leaving each shape out in turn and predicting it from the others (`fit_cv_error`).
+Greedy and sampled decoding get their own draft times and step models: sampling costs more per
+node. Every timing under half a second is the median of three.
 
 The profile is cached under <cache>/profiles/, keyed by the machine, the device and dtype, the
 pair's fingerprints and the placement plan: another plan is another machine as far as timing goes.
@@ -28,12 +33,14 @@ import platform
 import statistics
 import sys
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.optimizer import Timings
 from sequoia_trees.sampling import SamplingParams, gumbel_top_k, logits_to_probs
 
 from ..errors import UserError
@@ -45,7 +52,12 @@ TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
+# the real steps timed for the step model, most informative first (the time budget may cut the
+# list after the fourth); the plain step always runs last
+STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))
+MIN_STEP_SHAPES = 4
+PROFILE_VECTOR = AcceptanceVector((0.5, 0.2, 0.1, 0.05))  # shapes the timed trees (timing does not need the pair's)
 
 
 def machine_name(device: torch.device) -> str:
@@ -136,6 +148,14 @@ def disk_read_gbps(engine, max_bytes: int = 1 << 30) -> float:
     return moved / (time.perf_counter() - t0) / 1e9
 
 
+def _median_timed(fn, device: torch.device, repeats: int = 3, long_s: float = 0.5) -> float:
+    """The median of `repeats` timings of fn(), or one timing when the first is over `long_s`."""
+    first = _timed(fn, device)
+    if first >= long_s:
+        return first
+    return statistics.median([first] + [_timed(fn, device) for _ in range(repeats - 1)])
+
+
 def _tree_inputs(n: int, past: int, device: torch.device, generator: torch.Generator, vocab: int):
     """n random tokens as a chain (the mask's shape does not change the work), after `past`."""
     tokens = torch.randint(0, vocab, (n,), generator=generator).to(device)
@@ -179,19 +199,16 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     _timed(target_pass(1), device)  # warm-up: first-touch allocations, kernel selection
     # the narrowest and the widest pass first, then the widths between (the most informative
     # first), so that a budget spent early still spans the whole range (the optimizer only
-    # searches measured widths, interpolating between them); a pass under 0.5 s is repeated and
-    # its minimum kept, the same rule for every width
+    # searches measured widths, interpolating between them); a pass under 0.5 s is the median
+    # of three, the same rule for every width
     widths = [n for n in TARGET_WIDTHS if n <= engine.max_batch_tokens]
     order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 64, 256, 768, 32) if n in widths[1:-1]]
-    target_budget = budget_s * 0.75
+    target_budget = budget_s * 0.5
     measured: dict[int, float] = {}
     for n in order:
         if len(measured) >= 2 and time.perf_counter() - started > target_budget:
             break
-        t = _timed(target_pass(n), device)
-        if t < 0.5:
-            t = min(t, _timed(target_pass(n), device))
-        measured[n] = t
+        measured[n] = _median_timed(target_pass(n), device)
         bar.update(1)
     ns, ts = sorted(measured), [measured[n] for n in sorted(measured)]
     if ns[-1] < widths[-1]:
@@ -221,55 +238,113 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     _timed(draft_level(1, False), draft.device)
     dmeasured: dict[int, tuple[float, float]] = {}  # width -> (greedy, sampled)
     draft_started = time.perf_counter()
-    for w in (1, 256, 16, 64, 4, 128, 32, 8, 2):  # the draft is resident: its own quarter of the budget
-        if len(dmeasured) >= 2 and time.perf_counter() - draft_started > budget_s * 0.25:
+    for w in (1, 256, 16, 64, 4, 128, 32, 8, 2):  # the draft is resident: a tenth of the budget
+        if len(dmeasured) >= 2 and time.perf_counter() - draft_started > budget_s * 0.1:
             break
-        pair = []
-        for greedy in (True, False):
-            t = _timed(draft_level(w, greedy), draft.device)
-            if t < 0.5:
-                t = min(t, _timed(draft_level(w, greedy), draft.device))
-            pair.append(t)
-        dmeasured[w] = (pair[0], pair[1])
+        dmeasured[w] = tuple(_median_timed(draft_level(w, greedy), draft.device) for greedy in (True, False))
         bar.update(1)
     ws = sorted(dmeasured)
     dts_greedy, dts = [dmeasured[w][0] for w in ws], [dmeasured[w][1] for w in ws]
-    # 4. one real step of a (64, 8) tree, timed whole: what the parts above leave out
-    residual_greedy = _step_residual(engine, ns, ts, ws, dts_greedy, g, 0.0)
-    residual = _step_residual(engine, ns, ts, ws, dts, g, 0.6)
+    # 4. real steps of several shapes, timed whole: the step model fitted to them
+    steps_budget = min(budget_s * 0.1, max(0.0, budget_s - (time.perf_counter() - started)) / 2)  # per mode
+    fits = {}
+    for greedy, dt in ((True, dts_greedy), (False, dts)):
+        base = Timings(tuple(ns), tuple(accumulate(ts, max)), tuple(ws), tuple(accumulate(dt, max)))
+        shapes, times = _time_steps(engine, base, g, 0.0 if greedy else 0.6, steps_budget)
+        fits[greedy] = (shapes, [t[0] for t in times], fit_step_model(shapes, times, base))
     bar.update(1)
     bar.close()
+    shapes = fits[True][0]
+    (a_g, b_g, f_g, p_g, cv_g), (a_s, b_s, f_s, p_s, cv_s) = fits[True][2], fits[False][2]
     return MeasuredProfile(
         machine=machine_name(device), device=str(device), dtype=str(engine.model.dtype).replace("torch.", ""),
         target=str(engine.folder), target_fingerprint=engine.target_fingerprint or "", draft_key=engine.draft_key or "",
         plan={"resident_layers": len(plan.resident_layers), "ram_layers": len(plan.ram_layers),
               "disk_layers": len(plan.disk_layers), "bytes_per_pass": plan.bytes_per_pass, "buffers": plan.buffers},
         stream_source=source, stream_gb_per_s=gbps, prefix_tokens=PREFIX_TOKENS, target_tokens=tuple(ns),
-        target_pass_s=tuple(ts), draft_widths=tuple(ws), draft_level_s=tuple(dts), step_residual_s=residual,
-        draft_level_greedy_s=tuple(dts_greedy), step_residual_greedy_s=residual_greedy,
+        target_pass_s=tuple(ts), draft_widths=tuple(ws), draft_level_s=tuple(dts), step_residual_s=a_s,
+        draft_level_greedy_s=tuple(dts_greedy), step_residual_greedy_s=a_g,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        measure_s=time.perf_counter() - started)
+        measure_s=time.perf_counter() - started, step_per_node_s=b_s, step_per_node_greedy_s=b_g,
+        draft_factor=f_s, draft_factor_greedy=f_g, plain_step_s=p_s, plain_step_greedy_s=p_g,
+        fit_budgets=tuple(n for n, _ in shapes), fit_depths=tuple(d for _, d in shapes),
+        fit_step_s=tuple(fits[False][1]), fit_step_greedy_s=tuple(fits[True][1]), fit_cv_error=cv_s,
+        fit_cv_error_greedy=cv_g)
 
 
-def _step_residual(engine, ns, ts, ws, dts, g, temperature: float) -> float:
-    """A real (64, 8) step timed whole, minus what t_target and t_draft predict for it: the
-    verification walk and cache commits (+), and the loader prefetching the next pass's first
-    layers while the draft runs (-)."""
-    from sequoia_trees.dp import optimal_tree
-    from sequoia_trees.optimizer import Timings, evaluate
-
+def _time_steps(engine, base, g: torch.Generator, temperature: float, budget_s: float):
+    """Real speculation steps of the STEP_SHAPES the measured widths allow (at least
+    MIN_STEP_SHAPES of them, more while `budget_s` lasts), then a plain step: each timed three
+    times (once when a step takes over a second) after a warm-up step. Returns the shapes
+    ((1, 1) for plain) and, for each, the medians of (whole step, draft part, target part)."""
     from ..speculation.decoder import SpeculativeDecoder, TreeSpec
-    timings = Timings(tuple(ns), tuple(ts), tuple(ws), tuple(dts))
-    budget = min(64, ns[-1])
-    if budget < 2:
-        return 0.0
-    spec = TreeSpec("sequoia", budget, 8, acceptance=AcceptanceVector((0.5, 0.2, 0.1, 0.05)))
-    dec = SpeculativeDecoder(engine.model, engine.draft, spec, SamplingParams(temperature, 1.0), g, PREFIX_TOKENS + 64)
+    fits = [(n, d) for n, d in STEP_SHAPES if n <= base.target_tokens[-1] and n <= engine.max_batch_tokens]
+    capacity = PREFIX_TOKENS + sum(5 * (d + 1) for _, d in fits) + 16
+    dec = SpeculativeDecoder(engine.model, engine.draft, TreeSpec(), SamplingParams(temperature, 1.0), g, capacity,
+                             max_nodes=max([n for n, _ in fits] + [1]), timed=True)
     ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
     dec.prefill(ids, engine.max_batch_tokens)
     device = engine.model.device
-    # two warm-up steps first (fresh cache pages, first-use allocations cost a real step nothing)
-    times = [_timed(lambda: dec.step(ids[-1]), device) for _ in range(5)]
-    whole = min(times[2:])
-    predicted = evaluate(optimal_tree(spec.acceptance, budget, 8), timings)[0]
-    return whole - predicted
+    root = [ids[-1]]
+
+    def one_step():
+        root[0] = dec.step(root[0]).tokens[-1]
+
+    started = time.perf_counter()
+    shapes, times = [], []
+    for k, (n, d) in enumerate(fits + [(1, 1)]):
+        if n > 1 and k >= MIN_STEP_SHAPES and time.perf_counter() - started > budget_s:
+            continue
+        dec.set_spec(TreeSpec("sequoia", n, d, acceptance=PROFILE_VECTOR) if n > 1 else TreeSpec())
+        for _ in range(2 if k == 0 else 1):  # fresh cache pages, first-use allocations, a draft catching up
+            one_step()
+        runs = []
+        while len(runs) < (3 if not runs or runs[0][0] < 1.0 else 1):
+            whole = _timed(one_step, device)
+            runs.append((whole, dec.last_times.draft, dec.last_times.target))
+        shapes.append((n, d))
+        times.append(tuple(statistics.median(r[i] for r in runs) for i in range(3)))
+    return shapes, times
+
+
+def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float, float]],
+                   base) -> tuple[float, float, float, float, float]:
+    """(a, b, f, plain, cv error) of the step model fitted to measured steps, each given as
+    (whole, draft part, target part) seconds. A tree step of n nodes in levels of widths w costs
+    base.target(n) + f * D + a + b * n, D = sum(base.draft(w)); each part is fitted on its own by
+    least squares (better conditioned than one fit of the whole): the draft part as f * D, the
+    target part (pass and verification; the loader's prefetch during the draft shows here) as
+    base.target(n) + a_t + b * n (b = 0 with fewer than three shapes), the rest (commits) as a
+    constant; a = a_t + the rest. A plain step costs base.target(1) + plain. The cv error is the
+    mean of |predicted / measured - 1| of the whole tree steps, each predicted from a fit to the
+    other shapes (0 with fewer than two)."""
+    import numpy as np
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import level_widths
+    rows = []  # (n, D, whole, draft part, target part)
+    for (n, d), t in zip(shapes, times):
+        if n > 1:
+            widths = level_widths(TreeTable(PROFILE_VECTOR, n, d).tree(n, d))
+            rows.append((n, sum(base.draft(w) for w in widths), *t))
+    plain = [t[0] - base.target(1) for (n, _), t in zip(shapes, times) if n == 1]
+
+    def solve(sub):
+        if not sub:
+            return 0.0, 0.0, 1.0
+        n, dm, whole, dpart, tpart = (np.array([r[i] for r in sub], dtype=np.float64) for i in range(5))
+        f = float(min(max((dm @ dpart) / max(dm @ dm, 1e-30), 0.0), 3.0))
+        y = tpart - np.array([base.target(int(x)) for x in n])
+        if len(sub) >= 3:
+            a_t, b = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), y, rcond=None)[0]
+        else:
+            a_t, b = float(np.mean(y)), 0.0
+        return float(a_t + np.mean(whole - dpart - tpart)), float(b), f
+
+    errors = []
+    for k, (n, dm, whole, _, _) in enumerate(rows):
+        if len(rows) >= 2:
+            a, b, f = solve(rows[:k] + rows[k + 1:])
+            predicted = max(base.target(n), base.target(n) + f * dm + a + b * n)
+            errors.append(abs(predicted / whole - 1))
+    a, b, f = solve(rows)
+    return a, b, f, float(np.median(plain)) if plain else 0.0, float(np.mean(errors)) if errors else 0.0

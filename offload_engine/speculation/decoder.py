@@ -28,6 +28,7 @@ token -1: it runs through the passes as token 0, is never accepted, and changes 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -226,17 +227,36 @@ class PrefixCache:
         self._used = [0] * len(self._slots)
 
 
+@dataclass
+class StepTimes:
+    """Wall seconds of one step's parts: the draft (catching up on tokens it missed, then the
+    tree's levels), the target's pass with verification, and the whole step (commits included)."""
+    draft: float
+    target: float
+    total: float
+    catch_up: float = 0.0  # of the draft's part: tokens it missed while steps decoded plainly
+
+    @property
+    def rest(self) -> float:
+        return self.total - self.draft - self.target
+
+
 class SpeculativeDecoder:
     """Runs speculation steps for one generation, on fresh caches or on a `PrefixCache`'s.
 
     verify: one of VERIFY_MODES (where stochastic verification runs; "auto" walks on the host
     when the target computes on the CPU and uses the device table on a GPU).
-    draft_graphs: one of DRAFT_GRAPH_MODES (how the draft's levels run)."""
+    draft_graphs: one of DRAFT_GRAPH_MODES (how the draft's levels run).
+    max_nodes: the largest tree a later `set_spec` may ask for (online re-planning); with it the
+    draft's cache is kept even while the spec is plain decoding, and a draft that sat out some
+    steps catches up on their tokens before it grows the next tree. Each step's parts are timed
+    (`last_times`; on a GPU the draft's part is synchronized only when `timed`)."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
-                 verify: str = "auto", draft_graphs: str = "auto"):
-        if spec.kind == "none":
+                 verify: str = "auto", draft_graphs: str = "auto", max_nodes: int | None = None,
+                 timed: bool = False):
+        if spec.kind == "none" and max_nodes is None:
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -244,8 +264,10 @@ class SpeculativeDecoder:
             raise ValueError(f"draft_graphs must be one of {DRAFT_GRAPH_MODES}, got {draft_graphs!r}")
         self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
         self.verify_mode = verify if verify != "auto" else ("walk" if target.device.type == "cpu" else "table")
-        static_parents = spec.shape()
-        need = capacity + spec.max_nodes
+        self.max_nodes = max(spec.max_nodes, max_nodes or 1)
+        self.timed = timed
+        self.last_times = StepTimes(0.0, 0.0, 0.0)
+        need = capacity + self.max_nodes
         self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None
                      else CachedSequence(m.new_cache(need), []) for m in (target, draft) if m is not None]
         self.target_cache = self.seqs[0].cache
@@ -261,17 +283,36 @@ class SpeculativeDecoder:
                     or seq.levels.attention != draft.attention):
                 seq.levels = StaticLevels(draft, seq.cache, capture=draft_graphs == "on")
             self.draft_levels = seq.levels
-        self.shape = StaticShape(static_parents, self.device) if static_parents is not None else None
+        self._draft_model = draft
+        self._shapes: dict[tuple[int, ...], StaticShape] = {}
+        self.set_spec(spec)
         # draws on the draft's device come from a generator there, seeded from the generation's
         self.device_g = generator
         if draft is not None and self.device.type != "cpu":
             self.device_g = torch.Generator(self.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
 
+    def set_spec(self, spec: TreeSpec) -> None:
+        """The tree of the next steps (between steps only: a step's tree is fixed before the
+        target is read, which is what keeps every step exact)."""
+        if spec.max_nodes > self.max_nodes:
+            raise ValueError(f"a tree of {spec.max_nodes} nodes; this decoder holds at most {self.max_nodes}")
+        if spec.kind != "none" and self._draft_model is None:
+            raise ValueError(f"a {spec.kind} tree needs a draft")
+        self.spec = spec
+        self.draft = self._draft_model if spec.kind != "none" else None
+        parents = spec.shape()
+        if parents is None:
+            self.shape = None
+        else:
+            if parents not in self._shapes:
+                self._shapes[parents] = StaticShape(parents, self.device)
+            self.shape = self._shapes[parents]
+
     def prefill(self, ids: list[int], chunk: int) -> torch.Tensor:
         """The prompt into both caches (in chunks), after the longest prefix they already hold;
         the target's logits at its last token (so at least that token always runs)."""
         logits = None
-        for model, seq in zip((self.target, self.draft), self.seqs):
+        for model, seq in zip((self.target, self._draft_model), self.seqs):
             cache, dev = seq.cache, model.device
             is_target = model is self.target
             start = min(common_prefix(seq.tokens, ids), len(ids) - 1 if is_target else len(ids), cache.length)
@@ -296,8 +337,28 @@ class SpeculativeDecoder:
             return int(logits.argmax())
         return sample(logits_to_probs(logits, self.params).cpu(), self.g)
 
+    def _catch_up_draft(self) -> None:
+        """Run the draft over committed tokens it has not seen (steps decoded plainly while it
+        sat out), so that its cache again holds every committed token but the root."""
+        seq, committed = self.seqs[1], self.seqs[0].tokens
+        while len(seq.tokens) < len(committed):
+            lo = len(seq.tokens)
+            hi = min(len(committed), lo + 256)
+            seq.cache.truncate(lo)
+            dev = self.device
+            self.draft.forward(torch.tensor(committed[lo:hi], device=dev), torch.arange(lo, hi, device=dev), seq.cache,
+                               logits_rows=slice(0, 0))
+            seq.cache.advance(hi - lo)
+            seq.tokens.extend(committed[lo:hi])
+
     def step(self, root: int) -> StepResult:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
+        t0 = time.perf_counter()
+        if self.draft is not None and len(self.seqs[1].tokens) < len(self.seqs[0].tokens):
+            self._catch_up_draft()
+            if self.timed and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        t_caught = time.perf_counter()
         if self.draft is None:
             parents, tokens, draft_probs = (-1,), torch.tensor([root], device=self.device), None
             mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
@@ -310,17 +371,22 @@ class SpeculativeDecoder:
             n = len(tree)
             parents, tokens = tuple(tree.parents), torch.tensor(tree.tokens, device=self.device)
             mask, depths = tree.mask[:n, :n], torch.tensor(tree.depths, device=self.device)
+        if self.timed and self.draft is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
         result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs)
+        t2 = time.perf_counter()
         path = [0] + list(result.accepted)
         kept = [host_tokens[i] for i in path]
         base = self.target_cache.length
         self.target_cache.commit([base + i for i in path])
         self.seqs[0].tokens.extend(kept)
-        if self.draft_cache is not None:
+        if self.draft is not None:
             dbase = self.draft_cache.length - len(parents)  # the tree's slots follow the committed ones
             self.draft_cache.truncate(dbase)
             self.draft_cache.commit([dbase + i for i in path])
             self.seqs[1].tokens.extend(kept)
+        self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0, t_caught - t0)
         return StepResult(kept[1:] + [result.bonus_token], result)
 
     # ---- target side ------------------------------------------------------------------------
