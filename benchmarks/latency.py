@@ -12,7 +12,12 @@ Modes, each over the same prompts at each temperature (seeded per prompt):
   specinfer-B      (B-1)//(d-1) independent sequences of d-1 tokens (d = the depth for B)
   specexec-B       best-first tree of B nodes, d levels
   sequoia-B        Sequoia's optimal tree of B nodes, d levels, shaped by the pair's vector
-  sequoia-auto     `--tree auto`: the tree the optimizer chooses for this machine
+  sequoia-auto     `--tree auto`: the tree the optimizer chooses for this machine, re-chosen every
+                   few steps from what the steps measure (online adaptation)
+  auto-no-adapt    `--tree auto --no-adapt`: the profile's choice kept for the whole run
+  best-fixed       (a row computed, not run) the fastest of plain-streamed and the fixed Sequoia
+                   trees (`--hindsight`, or the sequoia-B modes) on the same prompts: the best fixed
+                   choice in hindsight, which auto is measured against
   peer             the same model through transformers with HF Accelerate's disk_offload (its
                    offload files evicted from the page cache before every forward, as our disk
                    tier reads with O_DIRECT), greedy only; `--offload ram`: cpu_offload
@@ -27,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -51,6 +57,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", default="0,0.6")
     p.add_argument("--budgets", default="16,64", help="tree budgets for the fixed-size modes (default 16,64)")
     p.add_argument("--quick", action="store_true", help="3 prompts, 32 new tokens, budget 16 only")
+    p.add_argument("--auto-study", action="store_true",
+                   help="only plain-streamed, sequoia-auto, auto-no-adapt and the --hindsight trees (and the "
+                        "best-fixed row): what adaptation is measured with")
+    p.add_argument("--hindsight", default="2,2 4,3 8,3 16,4 32,5",
+                   help="fixed Sequoia trees N,D run with --auto-study (space-separated)")
+    p.add_argument("--fresh-profile", action="store_true",
+                   help="measure the machine's profile again before the run (the first generation is then the "
+                        "first after a fresh profile)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers + Accelerate row")
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time, each mode over all prompts (default: all engines loaded, the "
@@ -74,14 +88,21 @@ def _modes(budgets: list[int]) -> list[dict]:
                   {"mode": f"specexec-{b}", "kind": "specexec", "budget": b, "depth": d},
                   {"mode": f"sequoia-{b}", "kind": "sequoia", "budget": b, "depth": d}]
     modes.append({"mode": "sequoia-auto", "kind": "auto"})
+    modes.append({"mode": "auto-no-adapt", "kind": "auto", "adapt": False})
     return modes
+
+
+def _study_modes(hindsight: list[tuple[int, int]]) -> list[dict]:
+    return ([{"mode": "plain-streamed", "kind": "none", "draft": False}]
+            + [{"mode": f"sequoia-{n},{d}", "kind": "sequoia", "budget": n, "depth": d} for n, d in hindsight]
+            + [{"mode": "sequoia-auto", "kind": "auto"}, {"mode": "auto-no-adapt", "kind": "auto", "adapt": False}])
 
 
 def _load(args, m: dict):
     from offload_engine import Engine
     kw = dict(device=args.device, offload=m.get("offload", args.offload), progress=False)
     if m.get("draft", True):
-        kw.update(draft=args.draft, tree="auto" if m["kind"] == "auto" else m["kind"])
+        kw.update(draft=args.draft, tree="auto" if m["kind"] == "auto" else m["kind"], adapt=m.get("adapt", True))
         if m["kind"] != "auto":
             kw.update(tree_budget=m["budget"], tree_depth=m["depth"], specinfer_width=m.get("width", 4))
     return Engine.load(args.target, **kw)
@@ -89,7 +110,7 @@ def _load(args, m: dict):
 
 def _empty() -> dict:
     return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
-            "new_tokens": 0, "token_ids": [], "auto": None}
+            "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": []}
 
 
 def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_tokens: int) -> None:
@@ -103,6 +124,13 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     acc["new_tokens"] += s["new_tokens"]
     acc["token_ids"].append(r.token_ids)
     acc["auto"] = s.get("auto")
+    if s.get("auto"):  # each generation: predicted at its start, forecast step by step, measured
+        a = s["auto"]
+        acc["per_prompt"].append({
+            "prompt": i, "measured_seconds_per_token": (s["seconds"] - s["prefill_seconds"]) / max(1, s["new_tokens"] - 1),
+            "predicted_seconds_per_token": a["predicted_seconds_per_token"], "start_tree": [a["budget"], a["depth"]],
+            "forecast_seconds_per_token": a["forecast_seconds_per_token"], "trees": a["trees"],
+            "tree_steps": a["tree_steps"]})
 
 
 def _finish_mode(acc: dict) -> dict:
@@ -132,6 +160,7 @@ def _peer(args, prompts: list[dict], max_new_tokens: int, engine) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from offload_engine.planning.adaptive import describe_trees
     from offload_engine.speculation.measure import read_prompts
     if args.quick:
         args.limit, args.max_new_tokens, args.budgets = 3, 32, "16"
@@ -140,7 +169,10 @@ def run(args: argparse.Namespace) -> dict:
     prompts = read_prompts(args.prompts)[: args.limit]
     started = time.perf_counter()
     rows, plain_ids = [], {}
-    modes = _modes(budgets)
+    hindsight = [tuple(int(x) for x in t.split(",")) for t in args.hindsight.split()]
+    modes = _study_modes(hindsight) if args.auto_study else _modes(budgets)
+    if args.fresh_profile:
+        _forget_profile(args)
     # Interleaved: prompt by prompt, every mode in turn, so that a slow stretch of a shared disk
     # or CPU falls on all modes alike (the ratios are what this benchmark is for). --sequential
     # loads one engine at a time instead (a target that cannot be loaded several times over).
@@ -162,6 +194,9 @@ def run(args: argparse.Namespace) -> dict:
                     if m["kind"] == "auto" and r["auto"]:
                         row["budget"], row["depth"] = r["auto"]["budget"], r["auto"]["depth"]
                         row["predicted_seconds_per_token"] = r["auto"]["predicted_seconds_per_token"]
+                        row["per_prompt"] = r["per_prompt"]
+                        steps = sum((Counter(pp["tree_steps"]) for pp in r["per_prompt"]), Counter())
+                        row["trees"] = describe_trees(steps)
                     if m["mode"] == "plain-streamed":
                         plain_ids[t] = r["token_ids"]
                     row["token_ids"] = r["token_ids"]
@@ -171,11 +206,19 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for e in engines.values():
                 e.close()
+    for t in temps:  # the best fixed choice in hindsight: plain or a fixed Sequoia tree, on these prompts
+        fixed = [r for r in rows if r["temperature"] == t and r["kind"] in ("none", "sequoia")
+                 and r["mode"] != "plain-resident"]
+        best = min(fixed, key=lambda r: r["seconds_per_token"])
+        rows.append({**best, "mode": "best-fixed", "best_fixed_mode": best["mode"]})
     for row in rows:  # computed from the tokens, after the baseline has run
         base = next(r for r in rows if r["mode"] == "plain-streamed" and r["temperature"] == row["temperature"])
         row["speedup_vs_plain_streamed"] = base["seconds_per_token"] / row["seconds_per_token"]
         row["equal_to_plain"] = (row["token_ids"] == plain_ids[row["temperature"]]
                                  if row["temperature"] == 0 else None)
+        if row["kind"] == "auto":
+            best = next(r for r in rows if r["mode"] == "best-fixed" and r["temperature"] == row["temperature"])
+            row["vs_best_fixed"] = best["seconds_per_token"] / row["seconds_per_token"]
     peer = None
     if not args.no_peer and 0.0 in temps:
         engine = _load(args, {"mode": "plain-streamed", "kind": "none", "draft": False})
@@ -195,6 +238,17 @@ def run(args: argparse.Namespace) -> dict:
             "seconds": time.perf_counter() - started, "machine": _machine()}
 
 
+def _forget_profile(args) -> None:
+    """Delete this pair's cached profile (for this benchmark's placement), so that the next auto
+    engine measures it afresh."""
+    from offload_engine.planning import profiler
+    engine = _load(args, {"mode": "x", "kind": "sequoia", "budget": 2, "depth": 2})
+    try:
+        profiler.profile_path(engine).unlink(missing_ok=True)
+    finally:
+        engine.close()
+
+
 def _machine() -> dict:
     import os
     import platform
@@ -210,7 +264,10 @@ def markdown(res: dict) -> str:
              "MB streamed/token | = plain (T=0) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
         eq = "-" if r["equal_to_plain"] is None else ("yes" if r["equal_to_plain"] else "**NO**")
-        lines.append(f"| {r['mode']} | {r['temperature']:g} | {r['budget']}, {r['depth']} | {r['tokens_per_step']:.2f} | "
+        mode = r["mode"] + (f" ({r['best_fixed_mode']})" if "best_fixed_mode" in r else "")
+        if "vs_best_fixed" in r:
+            mode += f": {r['vs_best_fixed']:.2f}x best fixed; {r['trees']}"
+        lines.append(f"| {mode} | {r['temperature']:g} | {r['budget']}, {r['depth']} | {r['tokens_per_step']:.2f} | "
                      f"{r['seconds_per_token']:.4f} | {r['speedup_vs_plain_streamed']:.2f}x | {r['target_passes']} | "
                      f"{r['bytes_streamed_per_token'] / 1e6:.1f} | {eq} |")
     p = res.get("peer")
@@ -233,7 +290,7 @@ def plots(res: dict, folder: Path) -> list[Path]:
                              ("speedup_vs_plain_streamed", "speed-up over plain streamed decoding", "speedup.png")):
         fig, axes = plt.subplots(1, len(res["setting"]["temperatures"]), figsize=(11, 4), squeeze=False)
         for ax, t in zip(axes[0], res["setting"]["temperatures"]):
-            rows = [r for r in res["rows"] if r["temperature"] == t]
+            rows = [r for r in res["rows"] if r["temperature"] == t and r["mode"] != "best-fixed"]
             for kind in ("sequoia", "specexec", "specinfer", "chain"):
                 pts = sorted((r["budget"], r[key]) for r in rows if r["kind"] == kind)
                 if pts:

@@ -40,7 +40,7 @@ def test_quick_run_writes_every_field(pair, tmp_path, monkeypatch, capsys):
     res = json.loads((tmp_path / "r.json").read_text())
     modes = {r["mode"] for r in res["rows"]}
     assert modes == {"plain-resident", "plain-streamed", "chain-16", "specinfer-16", "specexec-16", "sequoia-16",
-                     "sequoia-auto"}
+                     "sequoia-auto", "auto-no-adapt", "best-fixed"}
     assert len(res["rows"]) == 2 * len(modes)  # T=0 and T=0.6
     for r in res["rows"]:
         for field in latency.FIELDS:
@@ -52,6 +52,28 @@ def test_quick_run_writes_every_field(pair, tmp_path, monkeypatch, capsys):
     assert res["peer"] is not None and res["peer"]["equal_to_plain"] is True
     out = capsys.readouterr().out
     assert "| sequoia-16 | 0 |" in out and "peer: transformers+accelerate" in out
+
+
+def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", _fast_profile)
+    assert main(_args(pair, tmp_path, "--auto-study", "--hindsight", "4,3 8,3", "--no-peer", "--fresh-profile")) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"plain-streamed", "sequoia-4,3", "sequoia-8,3", "sequoia-auto",
+                                         "auto-no-adapt", "best-fixed"}
+    for t in (0.0, 0.6):
+        at = {r["mode"]: r for r in rows if r["temperature"] == t}
+        fixed = [at[m] for m in ("plain-streamed", "sequoia-4,3", "sequoia-8,3")]
+        best = min(fixed, key=lambda r: r["seconds_per_token"])
+        assert at["best-fixed"]["seconds_per_token"] == best["seconds_per_token"]
+        assert at["best-fixed"]["best_fixed_mode"] == best["mode"]
+        for mode in ("sequoia-auto", "auto-no-adapt"):
+            r = at[mode]
+            assert r["vs_best_fixed"] == pytest.approx(best["seconds_per_token"] / r["seconds_per_token"])
+            assert len(r["per_prompt"]) == 3 and all(pp["predicted_seconds_per_token"] > 0 for pp in r["per_prompt"])
+            assert "x" in r["trees"]
+        assert at["auto-no-adapt"]["trees"].count(" x ") == 1  # one tree throughout
+    assert "best fixed" in capsys.readouterr().out
 
 
 def test_a_broken_mode_shows_as_not_equal(pair, tmp_path, monkeypatch):
