@@ -111,16 +111,28 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
     assert prof.stream_source == "o_direct-read" and prof.stream_gb_per_s > 0
     assert prof.target_tokens[0] == 1 and len(prof.target_tokens) >= 2 and all(t > 0 for t in prof.target_pass_s)
     assert prof.draft_widths[:2] == (1, 2) and prof.plan["disk_layers"] == 2
-    assert "measured:" in capsys.readouterr().out
+    # real steps of at least four tree shapes and a plain one, and the fit's cross-validated error
+    assert len(prof.fit_budgets) >= 5 and prof.fit_budgets[-1] == 1 and all(t > 0 for t in prof.fit_step_s)
+    assert 0 < prof.fit_cv_error < 5 and 0 < prof.fit_cv_error_greedy < 5 and prof.draft_factor >= 0
+    printed = capsys.readouterr().out
+    assert "measured:" in printed and "cross-validated error" in printed and "| plain |" in printed
     assert main(args) == 0
     assert "cached:" in capsys.readouterr().out
     good = json.loads(out.read_text())
+    old = {k: v for k, v in good.items() if not k.startswith(("fit_", "plain_step", "draft_factor", "step_per_node"))}
+    out.write_text(json.dumps(old))  # a profile written before the step model loads, with the old model
+    legacy = load_measured(out).timings(greedy=False)
+    assert (legacy.node_seconds, legacy.draft_factor, legacy.plain_seconds) == (0.0, 1.0, 0.0)
     for change, message in (({"target_pass_s": good["target_pass_s"][:-1]}, "differ in length"),
                             ({"target_pass_s": 1.0}, "'target_pass_s' must be a list"),
                             ({"stream_gb_per_s": [1.0]}, "'stream_gb_per_s' must be a number"),
                             ({"draft_widths": [1, "2"]}, "'draft_widths' must be a list of positive whole"),
                             ({"prefix_tokens": 0}, "'prefix_tokens' must be a positive whole number"),
-                            ({"step_residual_s": 1e400}, "must be a finite number")):
+                            ({"step_residual_s": 1e400}, "must be a finite number"),
+                            ({"draft_factor": "1"}, "'draft_factor' must be a number, got '1'"),
+                            ({"draft_factor": -0.5}, "'draft_factor' must be >= 0"),
+                            ({"fit_depths": good["fit_depths"][:-1]}, "'fit_budgets' and 'fit_depths' differ"),
+                            ({"fit_step_s": [0.1] * len(good["fit_budgets"]) + [0.1]}, "differ in length")):
         out.write_text(json.dumps({**good, **change}).replace("Infinity", "1e400"))
         with pytest.raises(UserError, match=message):
             load_measured(out)

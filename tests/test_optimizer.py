@@ -90,3 +90,32 @@ def test_interpolation_and_timings_validation():
         Timings((1,), (1.0,), (1,), (0.1,), step_seconds=float("nan"))
     tm = Timings((1, 64), (1.0, 2.0), (1, 8), (0.1, 0.2))
     assert tm.draft(16) == pytest.approx(0.4)  # wider than measured: two slices of the widest
+
+
+def test_the_step_model_fitted_to_real_steps_recovers_known_parts():
+    """profiler.fit_step_model on steps made from a known model (a = 0.03 s, b = 0.4 ms/node,
+    f = 0.6, plain +0.01 s) with 2% noise: the parts come back, and the leave-one-shape-out error
+    is about the noise."""
+    import random as rnd
+
+    from offload_engine.planning import profiler
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import level_widths
+    ns = (1, 16, 32, 64, 128, 256)
+    base = Timings(ns, tuple(0.2 + 0.002 * n for n in ns), (1, 16, 64, 256), (0.02, 0.03, 0.06, 0.2))
+    rng = rnd.Random(0)
+    shapes = [(64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12), (1, 1)]
+    times = []
+    for n, d in shapes:
+        if n == 1:
+            whole = base.target(1) + 0.01
+            times.append((whole, 0.0, whole))
+            continue
+        widths = level_widths(TreeTable(profiler.PROFILE_VECTOR, n, d).tree(n, d))
+        draft = 0.6 * sum(base.draft(w) for w in widths) * (1 + rng.uniform(-0.02, 0.02))
+        target = (base.target(n) + 0.025 + 0.0004 * n) * (1 + rng.uniform(-0.02, 0.02))
+        times.append((draft + target + 0.005, draft, target))
+    a, b, f, plain, cv = profiler.fit_step_model(shapes, times, base)
+    assert a == pytest.approx(0.03, abs=0.01) and b == pytest.approx(4e-4, abs=1e-4)
+    assert f == pytest.approx(0.6, abs=0.03) and plain == pytest.approx(0.01, abs=1e-9)
+    assert cv < 0.02

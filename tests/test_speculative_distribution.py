@@ -20,6 +20,11 @@ the same test must reject it, or the suite fails:
   * specinfer: its with-replacement draws verified as if drawn without replacement;
   * specexec: the draws left out of the best-first tree dropped from verification;
   * sequoia and chain: every node verified against the root's draft distribution.
+With adaptation on (`--tree auto`'s online re-planning), the same test runs with every step's
+tree chosen by a real `OnlinePlanner` from the steps before it, set to switch as often as it can
+(`test_first_two_tokens_with_the_tree_re_chosen_every_step_have_the_target_distribution`): plain
+steps, trees of three sizes, and switches between a sample's two steps all happen (asserted);
+its negative control breaks the verifier as for sequoia, with sequoia's sample size.
 Power, written down: a bias of Cohen's effect size w = sqrt(sum (p_bad - p)^2 / p) gives the
 chi-square statistic a noncentrality lambda = N w^2. Each control's w was measured on this fixture
 with 4,000 samples (CONTROL_BIAS), and each kind's sample size N (SAMPLES) is chosen so that the
@@ -210,5 +215,88 @@ def test_a_broken_verifier_fails_the_same_test(models, paths, pool, kind):
     """Negative control: the decoder with its verifier broken as CONTROLS says must be rejected."""
     target, _ = models
     counts, _ = sample_in_parallel(pool, paths, kind, SAMPLES[kind], seed=17, broken=True)
+    p = p_values(counts, exact_joint(target, PROMPT + [ROOT]))
+    assert min(p.values()) < ALPHA / 2, p
+
+
+# ---- with adaptation on --------------------------------------------------------------------------
+
+ADAPT_CONSTANTS = {"EVERY": 1, "HYSTERESIS": 0.0, "PRIOR_NODES": 1.0, "ACCEPT_FORGET": 0.5, "PROBE_EVERY": 2,
+                   "REPLAN_SHARE": 100.0}
+
+
+def sample_two_tokens_adaptive(target, draft, n, seed):
+    """As sample_two_tokens, but each step's tree is chosen by a real OnlinePlanner from what the
+    steps before it verified and measured (its state carries over from sample to sample; its
+    constants set so that it switches all the time). The timings it starts from make trees barely
+    pay (a level costs 0.4 of a pass), so that each step's evidence tips the choice. Returns the
+    counts, the trees used, and how many samples switched tree between their two steps."""
+    from collections import Counter
+
+    from offload_engine.planning import adaptive
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import Candidates, Timings
+    for name, value in ADAPT_CONSTANTS.items():
+        setattr(adaptive, name, value)
+    torch.set_num_threads(1)
+    base = Timings((1, 16), (1.0, 1.0), (1, 8), (0.4, 0.4))
+    planner = adaptive.OnlinePlanner(SHAPE, base, Candidates(SHAPE, [2, 4, 8], 4, TreeTable(SHAPE, 8, 4)), 4)
+    dec = SpeculativeDecoder(target, draft, TreeSpec(), PARAMS, torch.Generator().manual_seed(seed), 64,
+                             max_nodes=8, timed=True)
+    dec.prefill(PROMPT, 64)
+    lengths = [len(q.tokens) for q in dec.seqs]
+    samples, used, switched = [], Counter(), 0
+    for _ in range(n):
+        dec.set_spec(planner.begin())
+        out, r, trees = [], ROOT, []
+        while len(out) < 2:
+            trees.append(dec.spec.shape())
+            step = dec.step(r)
+            nxt = planner.record(dec.spec, step.verify, dec.last_times, not out)
+            if nxt is not None:
+                dec.set_spec(nxt)
+            out += step.tokens
+            r = step.tokens[-1]
+        used.update(len(t) for t in trees)
+        switched += len(set(trees)) > 1
+        samples.append(out[0] * V + out[1])
+        for q, length in zip(dec.seqs, lengths):  # back to the same state for the next sample
+            q.cache.truncate(length)
+            del q.tokens[length:]
+    return np.bincount(samples, minlength=V * V).astype(float), used, switched
+
+
+def _adaptive_worker(paths, n: int, seed: int, broken: bool):
+    if broken:
+        decoder.verify_stochastic = CONTROLS["sequoia"]
+    return sample_two_tokens_adaptive(load(paths[0]), load(paths[1]), n, seed)
+
+
+def _adaptive_in_parallel(pool, paths, n, seed, broken=False):
+    jobs = [pool.submit(_adaptive_worker, paths, m, seed * 1000 + i, broken) for i, m in enumerate(shares(n))]
+    parts = [j.result() for j in jobs]
+    return sum(c for c, _, _ in parts), sum((u for _, u, _ in parts), start=__import__("collections").Counter()), \
+        sum(s for _, _, s in parts)
+
+
+def test_first_two_tokens_with_the_tree_re_chosen_every_step_have_the_target_distribution(models, paths, pool):
+    target, _ = models
+    n = SAMPLES["sequoia"]
+    counts, used, switched = _adaptive_in_parallel(pool, paths, n, seed=23)
+    assert counts.sum() == n
+    # not degenerate: plain steps, tree steps (most of them), and samples switching between their
+    # two steps (the mix is chaotic: one 300-sample run made 326 steps of (8, 4), 59 plain, 17 of
+    # (4, 3) and 58 switching samples; this test's 1,500 made 1,751 of (8, 4) and 30 plain). At 0.4
+    # a level most steps still speculate, so the control's bias is not diluted by plain steps and
+    # sequoia's sample size keeps it rejected
+    assert used[1] >= 10 and sum(k for size, k in used.items() if size > 1) >= n / 2, used
+    assert switched >= 10, switched
+    p = p_values(counts, exact_joint(target, PROMPT + [ROOT]))
+    assert min(p.values()) > ALPHA / 2, p
+
+
+def test_a_broken_verifier_fails_the_adaptive_test(models, paths, pool):
+    target, _ = models
+    counts, _, _ = _adaptive_in_parallel(pool, paths, SAMPLES["sequoia"], seed=23, broken=True)
     p = p_values(counts, exact_joint(target, PROMPT + [ROOT]))
     assert min(p.values()) < ALPHA / 2, p

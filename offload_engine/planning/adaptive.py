@@ -212,9 +212,9 @@ class OnlinePlanner:
     def begin(self) -> TreeSpec:
         timings = self.timing.timings()
         self.log = GenerationLog(start=self._evaluate(self.current, timings), start_plain_seconds=timings.plain())
-        self.plain_run = 0
-        self.probing = False
-        return self.spec()
+        # a probe due at the end of the last generation runs first (plain runs count across
+        # generations: a chat of short answers probes too)
+        return self.spec(self._probe_choice if self.probing else None)
 
     def _evaluate(self, choice: Choice, timings: Timings) -> Choice:
         return self.candidates.choice(choice.budget, choice.depth, timings) if choice.budget > 1 else \
