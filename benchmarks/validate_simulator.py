@@ -2,7 +2,7 @@
 
 (a) this machine: the simulator fed this machine's measured profile (target disk-streamed,
     draft resident, the profile `--tree auto` uses) and the pair's stored acceptance vector
-    predicts the seconds per token of real runs with `--tree auto` (greedy, T=0), and of fixed
+    predicts the seconds per token of real runs with `--tree auto --no-adapt` (greedy, T=0), and of fixed
     Sequoia trees (`--trees`), measured here over `--prompts` prompts of benchmarks/prompts.jsonl
     (decode time only: prefill excluded, as the prediction is per decoding step);
 (b) the Sequoia paper's L40 setting: Llama-2-70B fp16 streamed from pinned RAM (every layer, as
@@ -47,7 +47,8 @@ def check_machine(args) -> dict:
     from offload_engine.speculation.measure import read_prompts
     prompts = read_prompts(ROOT / "benchmarks" / "prompts.jsonl")[: args.prompts]
     common = dict(device="cpu", offload="disk", draft=args.draft)
-    engine = Engine.load("default", tree="auto", progress=True, **common)
+    # the profile's own prediction is what is checked: auto's first choice, kept (--no-adapt)
+    engine = Engine.load("default", tree="auto", adapt=False, progress=True, **common)
     prof, path, _ = profiler.cached_or_measured(engine, progress=True)
     plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
     rows = []
