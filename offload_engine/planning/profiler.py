@@ -344,7 +344,7 @@ def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float
     for k, (n, dm, whole, _, _) in enumerate(rows):
         if len(rows) >= 2:
             a, b, f = solve(rows[:k] + rows[k + 1:])
-            predicted = max(base.target(n), base.target(n) + f * dm + a + b * n)
+            predicted = max(0.25 * base.target(n), base.target(n) + f * dm + a + b * n)  # as Timings.step
             errors.append(abs(predicted / whole - 1))
     a, b, f = solve(rows)
     return a, b, f, float(np.median(plain)) if plain else 0.0, float(np.mean(errors)) if errors else 0.0
