@@ -103,6 +103,7 @@ def test_default_pair_served_speculating_two_turns_reuse_the_cache():
         answer = first.choices[0].message.content
         assert answer == streamed and "Paris" in answer and first.choices[0].finish_reason == "stop"
         assert first.sequoia["tree"] == "sequoia" and first.sequoia["tokens_per_step"] > 1.0
+        assert first.sequoia["trees"] is None  # a fixed tree: only --tree auto lists the trees its steps used
         history += [{"role": "assistant", "content": answer},
                     {"role": "user", "content": "And what is the capital of Italy?"}]
         second = client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=48)

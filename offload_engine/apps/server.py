@@ -342,7 +342,8 @@ def _extra(result: GenerationResult) -> dict:
     s = result.stats
     return {"tokens_per_second": s["tokens_per_second"], "tokens_per_step": s["tokens_per_step"],
             "target_passes": s["target_passes"], "tree": s["tree"], "prefill_seconds": s["prefill_seconds"],
-            "prefilled_tokens": s["prefilled_tokens"]}
+            "prefilled_tokens": s["prefilled_tokens"],
+            "trees": s["auto"]["trees"] if s.get("auto") else None}  # --tree auto: the trees its steps used
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
