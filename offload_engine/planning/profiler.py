@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -247,10 +248,10 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     dts_greedy, dts = [dmeasured[w][0] for w in ws], [dmeasured[w][1] for w in ws]
     # 4. real steps of several shapes, timed whole: the step model fitted to them
     steps_budget = min(budget_s * 0.1, max(0.0, budget_s - (time.perf_counter() - started)) / 2)  # per mode
-    fits = {}
-    for greedy, dt in ((True, dts_greedy), (False, dts)):
+    fits, shapes = {}, None
+    for greedy, dt in ((True, dts_greedy), (False, dts)):  # sampled steps time the shapes greedy ones did
         base = Timings(tuple(ns), tuple(accumulate(ts, max)), tuple(ws), tuple(accumulate(dt, max)))
-        shapes, times = _time_steps(engine, base, g, 0.0 if greedy else 0.6, steps_budget)
+        shapes, times = _time_steps(engine, base, g, 0.0 if greedy else 0.6, steps_budget, shapes)
         fits[greedy] = (shapes, [t[0] for t in times], fit_step_model(shapes, times, base))
     bar.update(1)
     bar.close()
@@ -272,13 +273,17 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
         fit_cv_error_greedy=cv_g)
 
 
-def _time_steps(engine, base, g: torch.Generator, temperature: float, budget_s: float):
+def _time_steps(engine, base, g: torch.Generator, temperature: float, budget_s: float,
+                shapes: list[tuple[int, int]] | None = None):
     """Real speculation steps of the STEP_SHAPES the measured widths allow (at least
-    MIN_STEP_SHAPES of them, more while `budget_s` lasts), then a plain step: each timed three
-    times (once when a step takes over a second) after a warm-up step. Returns the shapes
-    ((1, 1) for plain) and, for each, the medians of (whole step, draft part, target part)."""
+    MIN_STEP_SHAPES of them, more while `budget_s` lasts; or exactly `shapes`), then a plain
+    step: each timed three times (once when a step takes over a second) after a warm-up step.
+    Returns the shapes ((1, 1) for plain) and, for each, the medians of (whole step, draft
+    part, target part)."""
     from ..speculation.decoder import SpeculativeDecoder, TreeSpec
     fits = [(n, d) for n, d in STEP_SHAPES if n <= base.target_tokens[-1] and n <= engine.max_batch_tokens]
+    if shapes is not None:
+        fits, budget_s = [s for s in shapes if s[0] > 1], math.inf
     capacity = PREFIX_TOKENS + sum(5 * (d + 1) for _, d in fits) + 16
     dec = SpeculativeDecoder(engine.model, engine.draft, TreeSpec(), SamplingParams(temperature, 1.0), g, capacity,
                              max_nodes=max([n for n, _ in fits] + [1]), timed=True)
