@@ -220,7 +220,8 @@ class Engine:
         # present they shape --tree sequoia, the one nearest each generation's temperature
         self.stored_acceptance: dict = {}
         self.auto_plans: dict = {}  # --tree auto: temperature -> auto_tree.AutoPlan
-        self.planners: dict = {}  # --tree auto: temperature -> adaptive.OnlinePlanner (what it learned carries over)
+        # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
+        self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
         # stops the loader thread when the engine is closed, collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, model.layers.close)
@@ -320,7 +321,6 @@ class Engine:
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
                    progress: bool) -> None:
         from .planning import auto_tree, profiler
-        from .planning.adaptive import OnlinePlanner
         from .speculation import measure
         prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
@@ -328,8 +328,7 @@ class Engine:
         vectors = ({0.0: (acceptance, Path("given"))} if acceptance is not None
                    else measure.vectors_for(self, progress))
         self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth)
-        self.planners = {t: OnlinePlanner(p.vector, p.timings, p.candidates, max_depth, self.adapt)
-                         for t, p in self.auto_plans.items()}
+        self.planners = {}  # made per request temperature on first use (`_planner`)
         if progress:
             for plan in self.auto_plans.values():
                 print(f"sequoia-offload: {plan.describe()}", file=sys.stderr)
@@ -415,17 +414,16 @@ class Engine:
         source = "generic" if spec.acceptance == GENERIC_ACCEPTANCE else "given"
         auto = planner = None
         if self.auto_plans and self.draft is not None:
-            t = min(self.auto_plans, key=lambda k: (abs(k - params.temperature), k))
-            auto, planner = self.auto_plans[t], self.planners[t]
-            planner.adapt = self.adapt
+            auto, planner = self._planner(params)
             spec, source = planner.begin(), auto.source
         elif spec.kind == "sequoia" and self.stored_acceptance:
             vector, path, t = nearest(self.stored_acceptance, params.temperature)
             spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
         if self.prefix_cache is not None:
             self.prefix_cache.select(self.model, ids)
-        # (--tree none, or auto choosing plain decoding: the decoder leaves the draft idle)
-        adaptive = planner is not None and planner.adapt
+        # (--tree none, or auto choosing plain decoding: the draft sits the steps out; with adaptation
+        # its cache is kept and catches up before its next tree)
+        adaptive = planner is not None and planner.adapt and planner.max_nodes > 1
         decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
                                      timed=adaptive)
@@ -468,6 +466,20 @@ class Engine:
                  "auto": None if auto is None else _auto_stats(auto, planner),
                  **self.model.layers.snapshot().minus(before).as_dict()}
         return GenerationResult(stream.text, new, finish, stats)
+
+    def _planner(self, params: SamplingParams):
+        """(AutoPlan, OnlinePlanner) for a request's temperature: the plan of the nearest vector
+        of the same kind (greedy or sampled, where the engine has one), and a planner of this
+        temperature's own, made from that plan on first use."""
+        from .planning.adaptive import OnlinePlanner
+        temps = [k for k in self.auto_plans if (k == 0) == params.greedy] or list(self.auto_plans)
+        plan = self.auto_plans[min(temps, key=lambda k: (abs(k - params.temperature), k))]
+        key = round(params.temperature, 3)
+        if key not in self.planners:
+            self.planners[key] = OnlinePlanner(plan.vector, plan.timings, plan.candidates, self.adapt)
+        planner = self.planners[key]
+        planner.adapt = self.adapt
+        return plan, planner
 
     def _emit(self, tokens: list[int], new: list[int], stream: TextStream, budget: int,
               on_token: OnToken | None) -> tuple[bool, bool]:

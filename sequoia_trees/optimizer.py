@@ -6,9 +6,10 @@ G(n, d) is the expected tokens per step, and one step costs
     t_target(n) + f * (sum over the tree's levels of t_draft(width of that level)) + a + b * n
 
 (the target verifies all n nodes in one pass; the draft runs once per level, the leaves included,
-so that an accepted leaf has its K/V; f < 1 when the loader prefetches the next pass's layers
-while the draft runs, a the per-step constant, b the per-node cost of verification and commits;
-f, a and b are fitted to real steps by the profiler). Tokens per second = G(n, d) / that.
+so that an accepted leaf has its K/V; f is the draft's part of a real step over its isolated
+level times, a the per-step constant (negative where the loader reads the next pass's first
+layers while the draft runs), b the per-node cost of verification and commits; f, a and b are
+fitted to real steps by the profiler). Tokens per second = G(n, d) / that.
 Plain decoding costs t_target(1) + its own constant. `Candidates` keeps every (n, d)'s value and
 level widths, so that new timings are re-evaluated without filling the DP again (online
 re-planning). Timings are
@@ -159,7 +160,7 @@ class Candidates:
     def __init__(self, acceptance: AcceptanceVector, budgets: list[int], max_depth: int,
                  table: TreeTable | None = None):
         ns = [n for n in budgets if n > 1]
-        self.acceptance = acceptance
+        self.acceptance, self.max_depth = acceptance, max_depth
         self.table = table or (TreeTable(acceptance, max(ns), max_depth) if ns else None)
         self.items: list[tuple[int, int, float, tuple[int, ...]]] = []  # (n, d, G, level widths)
         self._trees: dict[tuple[int, int], TreePlan] = {}
@@ -174,22 +175,32 @@ class Candidates:
                 self._trees[(n, d)] = tree
                 self.items.append((n, d, value, level_widths(tree)))
 
-    def tree(self, n: int, d: int) -> TreePlan:
-        return self._trees[(n, d)]
-
-    def choice(self, n: int, d: int, timings: Timings) -> Choice:
-        """(n, d) evaluated under `timings` (n = 1: plain decoding)."""
+    def choice(self, n: int, d: int, timings: Timings) -> Choice | None:
+        """(n, d) evaluated under `timings` (n = 1: plain decoding); a depth left out as no better
+        than a shallower one is that one; None when the budget is not a candidate."""
         if n == 1:
             plain = TreePlan((-1,), (0,), (0,), 1.0)
             return Choice(1, 1, 1.0, timings.plain(), timings.target(1), 0.0, (1,), plain)
+        depths = [k for (m, k) in self._trees if m == n and k <= d]
+        if not depths:
+            return None
+        d = max(depths)
         tree = self._trees[(n, d)]
         step, t_target, t_draft = timings.step(n, level_widths(tree))
         return Choice(n, d, tree.expected_tokens, step, t_target, t_draft, level_widths(tree), tree)
 
-    def best(self, timings: Timings, allow_plain: bool = True, max_budget: int | None = None) -> Choice:
+    def merged(self, other: "Candidates", above: int) -> "Candidates":
+        """These candidates, and `other`'s with budgets over `above` (kept as they were)."""
+        for n, d, value, widths in other.items:
+            if n > above:
+                self.items.append((n, d, value, widths))
+                self._trees[(n, d)] = other._trees[(n, d)]
+        return self
+
+    def best(self, timings: Timings, allow_plain: bool = True) -> Choice:
         """The candidate with the most expected tokens per second (ties: the one found first,
-        the smaller tree), among budgets up to the widest measured pass (and `max_budget`)."""
-        limit = min(timings.target_tokens[-1], max_budget or timings.target_tokens[-1])
+        the smaller tree), among budgets up to the widest measured pass."""
+        limit = timings.target_tokens[-1]
         best_key, best_rate = ((1, 1), 1.0 / timings.plain()) if allow_plain else (None, -1.0)
         for n, d, value, widths in self.items:
             if n > limit:

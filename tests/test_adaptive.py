@@ -23,7 +23,7 @@ from offload_engine.planning.adaptive import AcceptanceEstimate, OnlinePlanner, 
 from offload_engine.speculation.decoder import SpeculativeDecoder, StepTimes, TreeSpec
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import TreeTable
-from sequoia_trees.optimizer import Candidates, Timings, level_widths
+from sequoia_trees.optimizer import Candidates, Timings
 from sequoia_trees.sampling import SamplingParams
 from sequoia_trees.verify import VerifyResult
 from tiny_models import greedy_past_eos, make_tiny_pair, perturbed_copy
@@ -69,6 +69,10 @@ def test_timing_factors_follow_a_slower_machine_within_a_few_steps():
     assert t.factor("target") == pytest.approx(2.0, rel=0.05)
     assert t.factor("draft") == pytest.approx(1.0, rel=0.02)
     assert t.timings().target(1) == pytest.approx(2.0 * base.target(1), rel=0.05)
+    # one freak step (a graph capture, a page-cache miss: ten times its prediction) moves nothing
+    part = t.target_part(8)
+    t.observe(8, widths, StepTimes(draft=t.draft_part(widths), target=20 * part, total=20 * part))
+    assert t.factor("target") == pytest.approx(2.0, rel=0.05)
 
 
 class World:
@@ -105,7 +109,7 @@ class World:
 
 def _planner(prior: AcceptanceVector, base: Timings) -> OnlinePlanner:
     ns = [n for n in BUDGETS if n <= base.target_tokens[-1]]
-    return OnlinePlanner(prior, base, Candidates(prior, ns, 12, TreeTable(prior, max(ns), 12)), 12)
+    return OnlinePlanner(prior, base, Candidates(prior, ns, 12, TreeTable(prior, max(ns), 12)))
 
 
 def _run(planner: OnlinePlanner, world: World, steps: int) -> list[tuple[int, int]]:
@@ -167,7 +171,9 @@ def test_plain_when_no_tree_pays_probes_and_comes_back_when_the_draft_agrees(mon
     # the draft starts to agree: the probes carry the evidence back and the tree returns
     used = _run(planner, World(TRUE, base, seed=5), 200)
     assert planner.current.budget > 1 and used[-1] != (1, 1)
-    assert planner.log.as_dict()["trees"].startswith("(") or "plain" in planner.log.as_dict()["trees"]
+    truth = Candidates(TRUE, BUDGETS, 12).best(base)
+    ours = Candidates(TRUE, BUDGETS, 12).choice(planner.current.budget, planner.current.depth, base)
+    assert ours.seconds_per_token <= truth.seconds_per_token * 1.05, (planner.current, truth)
 
 
 def test_no_adapt_keeps_the_choice_and_still_logs_it():
@@ -226,20 +232,39 @@ def test_caches_stay_equal_to_a_fresh_prefill_across_tree_switches(pair, tempera
 
 def test_greedy_with_adaptation_equals_plain_greedy_through_the_engine(pair, tmp_path, monkeypatch):
     """The engine's adaptive loop, with constants that make it switch often (every step re-planned,
-    no hysteresis, a weak prior, probes every other plain step): the tokens are plain greedy's."""
+    no hysteresis, a weak prior that fades fast, probes every other plain step) and a profile in
+    which a draft level costs most of a pass (so that plain steps and trees alternate): the
+    tokens are plain greedy's, in a first generation and in the next turn on the same engine."""
     import offload_engine.planning.profiler as profiler
     from test_auto_tree import _fake_profile
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine, pass_s=0.05, draft_s=0.004))
+    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine, pass_s=0.05, draft_s=0.04))
     for name, value in (("EVERY", 1), ("HYSTERESIS", 0.0), ("PRIOR_NODES", 1.0), ("ACCEPT_FORGET", 0.6),
                         ("PROBE_EVERY", 2), ("REPLAN_SHARE", 10.0)):
         monkeypatch.setattr(adaptive, name, value)
+    from offload_engine import Engine
     plain = greedy_past_eos(pair[0], "The capital of France is", 48)[0].token_ids
     result, engine = greedy_past_eos(pair[0], "The capital of France is", 48, draft=pair[1], tree="auto")
     assert result.token_ids == plain
     auto = result.stats["auto"]
     assert auto["adapt"] and auto["replans"] >= 10 and len(auto["tree_steps"]) >= 2, auto
+    assert "plain" in auto["tree_steps"] and auto["measured_plain_seconds_per_token"] > 0  # the draft sat out steps
     assert sum(auto["tree_steps"].values()) == result.stats["target_steps"]
+    # the next turn of a conversation on the same engine: its prompt extends the first answer,
+    # its prefix cache (the draft's too, behind the target's after plain steps) is reused, and
+    # what the planner learned carries over; the tokens are still plain greedy's
+    with Engine.load(pair[0], draft=pair[1], tree="auto", progress=False) as eng:
+        eng.eos_token_ids = frozenset()
+        first = eng.generate("The capital of France is", max_new_tokens=24)
+        ids = eng.tokenizer.encode("The capital of France is") + first.token_ids + eng.tokenizer.encode(" And")
+        second = eng.generate(input_ids=ids, max_new_tokens=24)
+        assert second.stats["cached_prompt_tokens"] > 0 and len(eng.planners) == 1
+        assert sum(eng.planners[0.0].log.trees.values()) == second.stats["target_steps"]
+        sampled = eng.generate(input_ids=ids, max_new_tokens=4, temperature=0.7, seed=1)
+        assert sorted(eng.planners) == [0.0, 0.7] and sampled.stats["auto"]["temperature"] == 0.6
+    with Engine.load(pair[0], progress=False) as eng:
+        eng.eos_token_ids = frozenset()
+        assert second.token_ids == eng.generate(input_ids=ids, max_new_tokens=24).token_ids
     fixed, _ = greedy_past_eos(pair[0], "The capital of France is", 48, draft=pair[1], tree="auto", adapt=False)
     assert fixed.token_ids == plain and len(fixed.stats["auto"]["tree_steps"]) == 1
     assert not fixed.stats["auto"]["adapt"] and fixed.stats["auto"]["switches"] == 0

@@ -229,7 +229,7 @@ def sample_two_tokens_adaptive(target, draft, n, seed):
     """As sample_two_tokens, but each step's tree is chosen by a real OnlinePlanner from what the
     steps before it verified and measured (its state carries over from sample to sample; its
     constants set so that it switches all the time). The timings it starts from make trees barely
-    pay (a level costs 0.4 of a pass), so that each step's evidence tips the choice. Returns the
+    pay (a level costs 0.35 of a pass), so that each step's evidence tips the choice. Returns the
     counts, the trees used, and how many samples switched tree between their two steps."""
     from collections import Counter
 
@@ -238,9 +238,13 @@ def sample_two_tokens_adaptive(target, draft, n, seed):
     from sequoia_trees.optimizer import Candidates, Timings
     for name, value in ADAPT_CONSTANTS.items():
         setattr(adaptive, name, value)
+    # the timing evidence is frozen: these tiny models' real timings (a draft level costing
+    # about a pass) would make plain decoding win nearly always; acceptance evidence alone
+    # drives the choice (timing only ever changes which tree runs, never what is verified)
+    adaptive.TimingEstimate.observe = lambda *args: None
     torch.set_num_threads(1)
-    base = Timings((1, 16), (1.0, 1.0), (1, 8), (0.4, 0.4))
-    planner = adaptive.OnlinePlanner(SHAPE, base, Candidates(SHAPE, [2, 4, 8], 4, TreeTable(SHAPE, 8, 4)), 4)
+    base = Timings((1, 16), (1.0, 1.0), (1, 8), (0.35, 0.35))
+    planner = adaptive.OnlinePlanner(SHAPE, base, Candidates(SHAPE, [2, 4, 8], 4, TreeTable(SHAPE, 8, 4)))
     dec = SpeculativeDecoder(target, draft, TreeSpec(), PARAMS, torch.Generator().manual_seed(seed), 64,
                              max_nodes=8, timed=True)
     dec.prefill(PROMPT, 64)
@@ -284,13 +288,12 @@ def test_first_two_tokens_with_the_tree_re_chosen_every_step_have_the_target_dis
     n = SAMPLES["sequoia"]
     counts, used, switched = _adaptive_in_parallel(pool, paths, n, seed=23)
     assert counts.sum() == n
-    # not degenerate: plain steps, tree steps (most of them), and samples switching between their
-    # two steps (the mix is chaotic: one 300-sample run made 326 steps of (8, 4), 59 plain, 17 of
-    # (4, 3) and 58 switching samples; this test's 1,500 made 1,751 of (8, 4) and 30 plain). At 0.4
-    # a level most steps still speculate, so the control's bias is not diluted by plain steps and
-    # sequoia's sample size keeps it rejected
-    assert used[1] >= 10 and sum(k for size, k in used.items() if size > 1) >= n / 2, used
-    assert switched >= 10, switched
+    # not degenerate: plain steps, trees of two sizes (most steps speculate, so that the control's
+    # bias is not diluted by plain steps and sequoia's sample size keeps it rejected), and samples
+    # switching tree between their two steps. Measured in two 400-sample runs: (8, 4) 403 and 375
+    # steps, plain 54 and 87, (4, 3) 31 and 53; 57 and 72 samples switching
+    assert used[1] >= n / 40 and used[4] >= n / 40 and used[8] >= n / 2, used
+    assert switched >= n / 20, switched
     p = p_values(counts, exact_joint(target, PROMPT + [ROOT]))
     assert min(p.values()) > ALPHA / 2, p
 

@@ -259,12 +259,14 @@ def _auto_summary(stats: dict, auto: dict) -> str:
     the target) beside the one predicted at the start."""
     decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
     start = "plain" if auto["budget"] == 1 else f"({auto['budget']},{auto['depth']})"
-    plain = auto["adapted_plain_seconds_per_token"]
     text = (f"trees {auto['trees']}{' (adapting)' if auto['adapt'] else ' (--no-adapt)'}; {decode_s:.3f} s/token "
             f"measured, {auto['predicted_seconds_per_token']:.3f} predicted at the start for {start}")
     if auto["adapt"] and auto["forecast_seconds_per_token"]:
         text += f", {auto['forecast_seconds_per_token']:.3f} forecast step by step"
-    return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token as measured here; "
+    plain, how = auto["measured_plain_seconds_per_token"], "its steps measured here"
+    if plain is None:
+        plain, how = auto["adapted_plain_seconds_per_token"], "predicted from this run's steps"
+    return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "
             f"{auto['predicted_speedup']:.2f}x predicted at the start)")
 
 

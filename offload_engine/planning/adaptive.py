@@ -12,16 +12,22 @@ After every speculation step the planner records what the step measured:
     followed;
   * the timing evidence: the draft's part of the step and the target's (its pass, the
     verification, the commits), each against what the profile's step model predicts for that
-    tree. `TimingEstimate` keeps one factor for each (prior 1, worth PRIOR_STEPS steps, older
-    steps fading by TIME_FORGET per step: a disk that slows within seconds is followed); plain
-    steps inform the target's factor.
+    tree. `TimingEstimate` keeps one factor for each, the median of the last WINDOW steps'
+    measured / predicted (the prior, 1, fills the window's first PRIOR_STEPS places while it is
+    short): a disk that slows down is followed within a few steps, and one freak step (a graph
+    capture, a page-cache miss) moves nothing. Plain steps inform the target's factor.
 Every EVERY steps the planner re-chooses (budget, depth) among the optimizer's precomputed
-candidates (`optimizer.Candidates`) under the updated timings, refilling the DP table only when
-the acceptance estimate has moved by more than REFILL_DISTANCE (L1), and never spending more
-than REPLAN_SHARE of the decoding time on it. It switches only when the new choice is predicted
-HYSTERESIS faster than the current one under the same model (no flapping). When plain decoding
-wins, one step in PROBE_EVERY runs the best tree anyway, so that the evidence that would bring
-the tree back keeps coming.
+candidates (`optimizer.Candidates`) under the updated timings. It fills the DP table again
+only when the acceptance estimate has moved by more than REFILL_DISTANCE (L1), up to twice the
+current budget (the larger candidates kept as they were), and only when the refill's predicted
+cost keeps all re-planning under REPLAN_SHARE of the decoding time so far (counted across
+generations). It switches only when the new choice is predicted HYSTERESIS faster than the
+current one under the same model (no flapping). When plain decoding wins, one step in
+PROBE_EVERY runs the best tree anyway, so that the evidence that would bring the tree back
+keeps coming.
+
+A planner belongs to one request temperature (greedy and sampled requests never share one);
+what it learned carries over from one generation to the next.
 
 Exactness: a step's tree is chosen before that step's target pass, from what earlier steps
 verified and measured; verification is exact for any tree, so the output is the target's
@@ -30,10 +36,10 @@ verified and measured; verification is exact for any tree, so the output is the 
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import TreeTable
@@ -44,13 +50,14 @@ from ..speculation.decoder import StepTimes, TreeSpec
 
 PRIOR_NODES = 8.0  # the prior vector counts as this many observed nodes (at first)
 ACCEPT_FORGET = 0.97  # per tree step: evidence 35 steps old weighs a third
-PRIOR_STEPS = 3.0  # the profile's timings count as this many steps
-TIME_FORGET = 0.85  # per step: the timing factors follow the last few steps
+PRIOR_STEPS = 3  # the profile's timings fill this many places of a short window
+WINDOW = 7  # steps whose median ratio is a timing factor
 EVERY = 4  # steps between re-plans
 HYSTERESIS = 0.05  # a new tree must be predicted this much faster
 PROBE_EVERY = 12  # plain steps between probes of the best tree
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
+REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
 
 
 class AcceptanceEstimate:
@@ -60,8 +67,9 @@ class AcceptanceEstimate:
     evidence (what the run measures wins in the end), down to a permanent anchor of one
     observation; p_r = h_r * prod_{j<r} (1 - h_j)."""
 
-    def __init__(self, prior: AcceptanceVector, strength: float = PRIOR_NODES, forget: float = ACCEPT_FORGET):
-        self.width, self.strength, self.forget = prior.width, strength, forget
+    def __init__(self, prior: AcceptanceVector, strength: float | None = None, forget: float | None = None):
+        strength = PRIOR_NODES if strength is None else strength
+        self.width, self.forget = prior.width, ACCEPT_FORGET if forget is None else forget
         left, self.prior_h = 1.0, []
         for p in prior.probs:
             self.prior_h.append(min(1.0, p / left) if left > 1e-12 else 0.0)
@@ -100,41 +108,41 @@ class AcceptanceEstimate:
 class TimingEstimate:
     """Factors on the profile's step model, learned from measured steps: `target` multiplies the
     target's part (its pass over n nodes plus the step's constant and per-node terms; a plain
-    step's pass and draw), `draft` the draft's levels. Each is a weighted mean of measured /
-    predicted with a prior of 1 worth PRIOR_STEPS steps, older steps fading by TIME_FORGET."""
+    step's pass and draw), `draft` the draft's levels. Each is the median of the last WINDOW
+    steps' measured / predicted, the prior (1) filling the first PRIOR_STEPS places while fewer
+    steps are in."""
 
-    def __init__(self, base: Timings, prior_steps: float = PRIOR_STEPS, forget: float = TIME_FORGET):
-        self.base, self.forget = base, forget
-        self._sums = {"target": [prior_steps, prior_steps], "draft": [prior_steps, prior_steps]}  # [sum, weight]
+    def __init__(self, base: Timings):
+        self.base = base
+        self._ratios = {"target": deque(maxlen=WINDOW), "draft": deque(maxlen=WINDOW)}
 
     def factor(self, part: str) -> float:
-        s, w = self._sums[part]
-        return s / w
-
-    def _add(self, part: str, ratio: float) -> None:
-        if not (math.isfinite(ratio) and ratio > 0):
-            return
-        ratio = min(max(ratio, 0.1), 10.0)  # one freak step (a page-cache miss, a swap) moves it boundedly
-        s = self._sums[part]
-        s[0], s[1] = s[0] * self.forget + ratio, s[1] * self.forget + 1.0
+        values = list(self._ratios[part])
+        return statistics.median(values + [1.0] * max(0, PRIOR_STEPS - len(values)))
 
     def target_part(self, n: int) -> float:
-        """The profile's prediction for the target's part of a step (plain when n == 1)."""
+        """The profile's prediction for the target's part of a step (plain when n == 1), with
+        the floor `Timings.step` puts under a whole step."""
         b = self.base
         if n == 1:
             return b.plain()
-        return b.target(n) + b.step_seconds + b.node_seconds * n
+        return max(0.25 * b.target(n), b.target(n) + b.step_seconds + b.node_seconds * n)
 
     def draft_part(self, widths: tuple[int, ...]) -> float:
         return self.base.draft_factor * sum(self.base.draft(w) for w in widths)
 
     def observe(self, n: int, widths: tuple[int, ...], times: StepTimes) -> None:
-        self._add("target", (times.target + times.rest) / max(self.target_part(n), 1e-9))
+        self._add("target", (times.target + times.rest) / self.target_part(n))
         if n > 1:
-            self._add("draft", (times.draft - times.catch_up) / max(self.draft_part(widths), 1e-9))
+            self._add("draft", (times.draft - times.catch_up) / self.draft_part(widths))
+
+    def _add(self, part: str, ratio: float) -> None:
+        if ratio > 0 and ratio < float("inf"):
+            self._ratios[part].append(ratio)
 
     def timings(self) -> Timings:
         """The profile's timings with the learned factors applied."""
+        from dataclasses import replace
         b, kt, kd = self.base, self.factor("target"), self.factor("draft")
         return replace(b, target_seconds=tuple(t * kt for t in b.target_seconds),
                        draft_seconds=tuple(t * kd for t in b.draft_seconds), step_seconds=b.step_seconds * kt,
@@ -157,16 +165,18 @@ def describe_trees(steps: Counter) -> str:
 class GenerationLog:
     """What one generation did: the trees of its steps, and for each step what the planner
     predicted (seconds, tokens) before it ran and what it measured."""
+    start: Choice  # the tree the generation's first step ran, as predicted then
+    start_plain_seconds: float  # a plain step, as predicted then
     trees: Counter = field(default_factory=Counter)
     predicted_seconds: float = 0.0
     predicted_tokens: float = 0.0
     measured_seconds: float = 0.0
     measured_tokens: int = 0
+    plain_steps: int = 0
+    plain_seconds: float = 0.0  # measured, over the plain steps
     switches: int = 0
     replans: int = 0
     replan_seconds: float = 0.0
-    start: Choice | None = None  # the choice the generation started with, as predicted then
-    start_plain_seconds: float = 0.0  # a plain step, as predicted then
 
     def as_dict(self) -> dict:
         return {"trees": describe_trees(self.trees), "tree_steps": dict(self.trees), "switches": self.switches,
@@ -174,21 +184,21 @@ class GenerationLog:
                 "forecast_seconds_per_token": self.predicted_seconds / self.predicted_tokens
                 if self.predicted_tokens else None,
                 "measured_step_seconds_per_token": self.measured_seconds / self.measured_tokens
-                if self.measured_tokens else None}
+                if self.measured_tokens else None,
+                "measured_plain_seconds_per_token": self.plain_seconds / self.plain_steps if self.plain_steps else None}
 
 
 class OnlinePlanner:
-    """One temperature's online re-planning, kept on the engine from one generation to the
-    next (what it learned carries over). `begin()` opens a generation and gives its first tree;
-    `record()` takes each step's result and returns the next step's tree when it changes."""
+    """One request temperature's online re-planning, kept on the engine from one generation to
+    the next (what it learned carries over). `begin()` opens a generation and gives its first
+    tree; `record()` takes each step's result and returns the next step's tree when it changes."""
 
-    def __init__(self, vector: AcceptanceVector, base: Timings, candidates: Candidates, max_depth: int,
-                 adapt: bool = True):
+    def __init__(self, vector: AcceptanceVector, base: Timings, candidates: Candidates, adapt: bool = True):
         self.adapt = adapt
         self.accept = AcceptanceEstimate(vector)
         self.timing = TimingEstimate(base)
         self.candidates = candidates
-        self.max_depth = max_depth
+        self.max_depth = candidates.max_depth
         self.budgets = sorted({n for n, *_ in candidates.items})
         self._table_vector = vector  # the vector the candidates were filled with
         self.current = candidates.best(base)
@@ -197,46 +207,56 @@ class OnlinePlanner:
         self.probing = False
         self._probe_choice = self.current
         self._seen: set = set()  # tree shapes this planner has run
-        self.log = GenerationLog()
+        self.decode_seconds = 0.0  # measured step time, all generations
+        self.replan_seconds = 0.0  # re-planning time, all generations
+        self.refill_rate = REFILL_SECONDS_PER_UNIT
+        self.log = GenerationLog(self.current, base.plain())
 
     @property
     def max_nodes(self) -> int:
         return max(self.budgets or [1])
 
+    def _next(self) -> Choice:
+        return self._probe_choice if self.probing else self.current
+
     def spec(self, choice: Choice | None = None) -> TreeSpec:
-        c = choice or self.current
+        c = choice or self._next()
         if c.budget == 1:
             return TreeSpec()
         return TreeSpec("sequoia", c.budget, c.depth, acceptance=self.candidates.acceptance, parents=c.tree.parents)
 
     def begin(self) -> TreeSpec:
+        """A new generation: its first tree (a probe due at the end of the last generation runs
+        first: plain runs count across generations, so a chat of short answers probes too)."""
         timings = self.timing.timings()
-        self.log = GenerationLog(start=self._evaluate(self.current, timings), start_plain_seconds=timings.plain())
-        # a probe due at the end of the last generation runs first (plain runs count across
-        # generations: a chat of short answers probes too)
-        return self.spec(self._probe_choice if self.probing else None)
+        self.log = GenerationLog(self._evaluate(self._next(), timings), timings.plain())
+        return self.spec()
 
-    def _evaluate(self, choice: Choice, timings: Timings) -> Choice:
-        return self.candidates.choice(choice.budget, choice.depth, timings) if choice.budget > 1 else \
-            self.candidates.choice(1, 1, timings)
+    def _evaluate(self, choice: Choice, timings: Timings) -> Choice | None:
+        return self.candidates.choice(choice.budget, choice.depth, timings)
 
     def record(self, spec: TreeSpec, result: VerifyResult, times: StepTimes, first_step: bool) -> TreeSpec | None:
         """One step's evidence; the tree for the next step when it differs from `spec`.
         `first_step`: the generation's first (its timing is left out, as is a tree shape's first
         use: allocations, a graph capture)."""
-        n = len(spec.shape()) if spec.kind != "none" else 1
-        chosen = self.current if not self.probing else self._probe_choice
-        predicted = self._evaluate(chosen, self.timing.timings())
-        self.log.trees[tree_label(chosen.budget, chosen.depth)] += 1
-        self.log.predicted_seconds += predicted.seconds_per_step
-        self.log.predicted_tokens += predicted.tokens_per_step
-        self.log.measured_seconds += times.total
-        self.log.measured_tokens += len(result.accepted) + 1
+        chosen = self._next()
+        n = chosen.budget
+        predicted = self._evaluate(chosen, self.timing.timings()) or chosen
+        log = self.log
+        log.trees[tree_label(chosen.budget, chosen.depth)] += 1
+        log.predicted_seconds += predicted.seconds_per_step
+        log.predicted_tokens += predicted.tokens_per_step
+        log.measured_seconds += times.total
+        log.measured_tokens += len(result.accepted) + 1
+        if n == 1:
+            log.plain_steps += 1
+            log.plain_seconds += times.total
+        self.decode_seconds += times.total
         if not self.adapt:
             return None
-        if n > 1:
-            self._observe_path(spec.shape(), result)
         shape = spec.shape()
+        if n > 1:
+            self._observe_path(shape, result)
         if not first_step and shape in self._seen:
             self.timing.observe(n, chosen.level_widths, times)
         self._seen.add(shape)
@@ -251,7 +271,6 @@ class OnlinePlanner:
             probe = self.candidates.best(self.timing.timings(), allow_plain=False)
             if probe.budget > 1:
                 self.probing, self._probe_choice = True, probe
-                return self.spec(probe)
         nxt = self.spec()
         return None if nxt == spec else nxt
 
@@ -267,35 +286,36 @@ class OnlinePlanner:
 
     def _replan(self) -> None:
         self.since_replan = 0
-        decoding = max(self.log.measured_seconds, 1e-9)
-        if self.log.replan_seconds > REPLAN_SHARE * decoding:
+        allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
+        if allowance <= 0:
             return
         t0 = time.perf_counter()
         vector = self.accept.vector()
         moved = sum(abs(a - b) for a, b in zip(vector.probs, self._table_vector.probs))
-        if moved > REFILL_DISTANCE:
-            # the refill covers budgets up to twice the current tree (at least 32): growth by
-            # doubling per refill keeps each one to milliseconds
-            ns = [n for n in self.budgets if n <= max(32, 2 * self.current.budget)]
-            if ns:
-                self.candidates = Candidates(vector, ns, self.max_depth, TreeTable(vector, max(ns), self.max_depth))
-                self._table_vector = vector
+        ns = [n for n in self.budgets if n <= max(32, 2 * self.current.budget)]
+        units = max(ns or [1]) ** 2 * self.max_depth * vector.width
+        if moved > REFILL_DISTANCE and ns and units * self.refill_rate < allowance:
+            t_fill = time.perf_counter()
+            refilled = Candidates(vector, ns, self.max_depth, TreeTable(vector, max(ns), self.max_depth))
+            self.refill_rate = (time.perf_counter() - t_fill) / units
+            # the candidates above the refill keep their trees and values from the last fill
+            self.candidates = refilled.merged(self.candidates, above=max(ns))
+            self._table_vector = vector
         timings = self.timing.timings()
         best = self.candidates.best(timings)
-        now = self._evaluate(self.current, timings) if self._has(self.current) else None
+        now = self._evaluate(self.current, timings)
         if now is None or best.seconds_per_token < now.seconds_per_token * (1 - HYSTERESIS):
             if (best.budget, best.depth) != (self.current.budget, self.current.depth):
                 self.log.switches += 1
                 if best.budget > 1:
                     self.plain_run = 0
             self.current = best
-        elif now is not None:
+        else:
             self.current = now
+        spent = time.perf_counter() - t0
         self.log.replans += 1
-        self.log.replan_seconds += time.perf_counter() - t0
-
-    def _has(self, choice: Choice) -> bool:
-        return choice.budget == 1 or (choice.budget, choice.depth) in self.candidates._trees
+        self.log.replan_seconds += spent
+        self.replan_seconds += spent
 
     def predicted_plain(self) -> float:
         return self.timing.timings().plain()

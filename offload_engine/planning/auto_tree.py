@@ -21,7 +21,6 @@ from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import TreeTable
 from sequoia_trees.optimizer import DEFAULT_BUDGETS, DEFAULT_MAX_DEPTH, Candidates, Choice, Timings, candidates
 
-from ..speculation.decoder import TreeSpec
 from .hw_profile import MeasuredProfile
 
 AUTO_MAX_BUDGET = 1024
@@ -37,13 +36,6 @@ class AutoPlan:
     best_tree: Choice  # the best speculative tree, chosen or not
     timings: Timings  # the profile's step model for this temperature (greedy or sampled)
     candidates: Candidates  # every (budget, depth) of the DP table, for re-planning
-
-    @property
-    def spec(self) -> TreeSpec:
-        c = self.choice
-        if c.budget == 1:
-            return TreeSpec()
-        return TreeSpec("sequoia", c.budget, c.depth, acceptance=self.vector, parents=c.tree.parents)
 
     @property
     def predicted_speedup(self) -> float:

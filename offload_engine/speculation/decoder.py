@@ -267,6 +267,7 @@ class SpeculativeDecoder:
         self.max_nodes = max(spec.max_nodes, max_nodes or 1)
         self.timed = timed
         self.last_times = StepTimes(0.0, 0.0, 0.0)
+        self.chunk = 256  # set by prefill
         need = capacity + self.max_nodes
         self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None
                      else CachedSequence(m.new_cache(need), []) for m in (target, draft) if m is not None]
@@ -312,6 +313,7 @@ class SpeculativeDecoder:
         """The prompt into both caches (in chunks), after the longest prefix they already hold;
         the target's logits at its last token (so at least that token always runs)."""
         logits = None
+        self.chunk = chunk  # the widest forward: the draft's catching up runs in chunks of it too
         for model, seq in zip((self.target, self._draft_model), self.seqs):
             cache, dev = seq.cache, model.device
             is_target = model is self.target
@@ -343,7 +345,7 @@ class SpeculativeDecoder:
         seq, committed = self.seqs[1], self.seqs[0].tokens
         while len(seq.tokens) < len(committed):
             lo = len(seq.tokens)
-            hi = min(len(committed), lo + 256)
+            hi = min(len(committed), lo + self.chunk)
             seq.cache.truncate(lo)
             dev = self.device
             self.draft.forward(torch.tensor(committed[lo:hi], device=dev), torch.arange(lo, hi, device=dev), seq.cache,
