@@ -17,7 +17,9 @@ For one loaded engine (target placed by its plan, draft resident) it measures:
     prefetching overlaps it). A plain step gets its own constant. The fit's error is measured by
     leaving each shape out in turn and predicting it from the others (`fit_cv_error`).
 Greedy and sampled decoding get their own draft times and step models: sampling costs more per
-node. Every timing under half a second is the median of three.
+node. Every timing under half a second (every step) is the median of three, the repeats taken
+round-robin over the widths (the shapes, both modes), not back to back: a slow spell of a shared
+machine then falls on one repeat of each, and the medians leave it out.
 
 The profile is cached under <cache>/profiles/, keyed by the machine, the device and dtype, the
 pair's fingerprints and the placement plan: another plan is another machine as far as timing goes.
@@ -28,7 +30,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -149,12 +150,16 @@ def disk_read_gbps(engine, max_bytes: int = 1 << 30) -> float:
     return moved / (time.perf_counter() - t0) / 1e9
 
 
-def _median_timed(fn, device: torch.device, repeats: int = 3, long_s: float = 0.5) -> float:
-    """The median of `repeats` timings of fn(), or one timing when the first is over `long_s`."""
-    first = _timed(fn, device)
-    if first >= long_s:
-        return first
-    return statistics.median([first] + [_timed(fn, device) for _ in range(repeats - 1)])
+def _rounds(jobs: dict, first: dict, device: torch.device, rounds: int = 3, long_s: float = 0.5) -> dict:
+    """The median of `rounds` timings of each job whose first timing (given) is under `long_s`,
+    the repeats taken round-robin over the jobs, not back to back: a slow spell of a shared
+    machine then falls on one round of every job, and the medians leave it out."""
+    times = {k: [t] for k, t in first.items()}
+    again = [k for k, t in first.items() if t < long_s]
+    for _ in range(rounds - 1):
+        for k in again:
+            times[k].append(_timed(jobs[k], device))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _tree_inputs(n: int, past: int, device: torch.device, generator: torch.Generator, vocab: int):
@@ -206,11 +211,14 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 64, 256, 768, 32) if n in widths[1:-1]]
     target_budget = budget_s * 0.5
     measured: dict[int, float] = {}
+    passes = {}
     for n in order:
         if len(measured) >= 2 and time.perf_counter() - started > target_budget:
             break
-        measured[n] = _median_timed(target_pass(n), device)
+        passes[n] = target_pass(n)
+        measured[n] = _timed(passes[n], device)
         bar.update(1)
+    measured = _rounds(passes, measured, device)
     ns, ts = sorted(measured), [measured[n] for n in sorted(measured)]
     if ns[-1] < widths[-1]:
         print(f"sequoia-offload: warning: the profile's time budget ({budget_s:g} s) ran out before a "
@@ -237,26 +245,27 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
         return run
 
     _timed(draft_level(1, False), draft.device)
-    dmeasured: dict[int, tuple[float, float]] = {}  # width -> (greedy, sampled)
+    levels, first = {}, {}  # (width, greedy) -> the level's run and its first timing
     draft_started = time.perf_counter()
     for w in (1, 256, 16, 64, 4, 128, 32, 8, 2):  # the draft is resident: a tenth of the budget
-        if len(dmeasured) >= 2 and time.perf_counter() - draft_started > budget_s * 0.1:
+        if len(first) >= 4 and time.perf_counter() - draft_started > budget_s * 0.1:
             break
-        dmeasured[w] = tuple(_median_timed(draft_level(w, greedy), draft.device) for greedy in (True, False))
+        for greedy in (True, False):
+            levels[w, greedy] = draft_level(w, greedy)
+            first[w, greedy] = _timed(levels[w, greedy], draft.device)
         bar.update(1)
-    ws = sorted(dmeasured)
-    dts_greedy, dts = [dmeasured[w][0] for w in ws], [dmeasured[w][1] for w in ws]
-    # 4. real steps of several shapes, timed whole: the step model fitted to them
-    steps_budget = min(budget_s * 0.1, max(0.0, budget_s - (time.perf_counter() - started)) / 2)  # per mode
-    fits, shapes = {}, None
-    for greedy, dt in ((True, dts_greedy), (False, dts)):  # sampled steps time the shapes greedy ones did
-        base = Timings(tuple(ns), tuple(accumulate(ts, max)), tuple(ws), tuple(accumulate(dt, max)))
-        shapes, times = _time_steps(engine, base, g, 0.0 if greedy else 0.6, steps_budget, shapes)
-        fits[greedy] = (shapes, [t[0] for t in times], fit_step_model(shapes, times, base))
+    dmeasured = _rounds(levels, first, draft.device)
+    ws = sorted({w for w, _ in dmeasured})
+    dts_greedy, dts = [dmeasured[w, True] for w in ws], [dmeasured[w, False] for w in ws]
+    # 4. real steps of several shapes, greedy and sampled, timed whole: the step model fitted to them
+    bases = {greedy: Timings(tuple(ns), tuple(accumulate(ts, max)), tuple(ws), tuple(accumulate(dt, max)))
+             for greedy, dt in ((True, dts_greedy), (False, dts))}
+    steps_budget = min(budget_s * 0.2, max(0.0, budget_s - (time.perf_counter() - started)))
+    shapes, times = _time_steps(engine, bases, g, steps_budget)
+    fits = {greedy: fit_step_model(shapes, times[greedy], bases[greedy]) for greedy in (True, False)}
     bar.update(1)
     bar.close()
-    shapes = fits[True][0]
-    (a_g, b_g, f_g, p_g, cv_g), (a_s, b_s, f_s, p_s, cv_s) = fits[True][2], fits[False][2]
+    (a_g, b_g, f_g, p_g, cv_g), (a_s, b_s, f_s, p_s, cv_s) = fits[True], fits[False]
     return MeasuredProfile(
         machine=machine_name(device), device=str(device), dtype=str(engine.model.dtype).replace("torch.", ""),
         target=str(engine.folder), target_fingerprint=engine.target_fingerprint or "", draft_key=engine.draft_key or "",
@@ -269,46 +278,59 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
         measure_s=time.perf_counter() - started, step_per_node_s=b_s, step_per_node_greedy_s=b_g,
         draft_factor=f_s, draft_factor_greedy=f_g, plain_step_s=p_s, plain_step_greedy_s=p_g,
         fit_budgets=tuple(n for n, _ in shapes), fit_depths=tuple(d for _, d in shapes),
-        fit_step_s=tuple(fits[False][1]), fit_step_greedy_s=tuple(fits[True][1]), fit_cv_error=cv_s,
+        fit_step_s=tuple(t[0] for t in times[False]), fit_step_greedy_s=tuple(t[0] for t in times[True]),
+        fit_cv_error=cv_s,
         fit_cv_error_greedy=cv_g)
 
 
-def _time_steps(engine, base, g: torch.Generator, temperature: float, budget_s: float,
-                shapes: list[tuple[int, int]] | None = None):
-    """Real speculation steps of the STEP_SHAPES the measured widths allow (at least
-    MIN_STEP_SHAPES of them, more while `budget_s` lasts; or exactly `shapes`), then a plain
-    step: each timed three times (once when a step takes over a second) after a warm-up step.
-    Returns the shapes ((1, 1) for plain) and, for each, the medians of (whole step, draft
-    part, target part)."""
+def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float):
+    """Real speculation steps, greedy (bases[True]) and sampled (bases[False]), of the STEP_SHAPES
+    the measured widths allow (at least MIN_STEP_SHAPES of them, more while the warm-up round
+    stays within a quarter of `budget_s`), then a plain step. A warm-up round first (untimed: fresh
+    cache pages, first-use allocations, a draft catching up), then three timed rounds, each over
+    every (mode, shape) in turn (two rounds when the budget is spent after two), so that a slow
+    spell of a shared machine falls on one round of each. Returns the shapes ((1, 1) for plain)
+    and, per mode, for each shape the medians of (whole step, draft part, target part)."""
     from ..speculation.decoder import SpeculativeDecoder, TreeSpec
-    fits = [(n, d) for n, d in STEP_SHAPES if n <= base.target_tokens[-1] and n <= engine.max_batch_tokens]
-    if shapes is not None:
-        fits, budget_s = [s for s in shapes if s[0] > 1], math.inf
-    capacity = PREFIX_TOKENS + sum(5 * (d + 1) for _, d in fits) + 16
-    dec = SpeculativeDecoder(engine.model, engine.draft, TreeSpec(), SamplingParams(temperature, 1.0), g, capacity,
-                             max_nodes=max([n for n, _ in fits] + [1]), timed=True)
+    widest = bases[True].target_tokens[-1]
+    fits = [(n, d) for n, d in STEP_SHAPES if n <= widest and n <= engine.max_batch_tokens]
+    capacity = PREFIX_TOKENS + 5 * sum(d + 1 for _, d in fits) + 16
     ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
-    dec.prefill(ids, engine.max_batch_tokens)
+    decs, roots = {}, {}
+    for greedy in (True, False):
+        decs[greedy] = SpeculativeDecoder(engine.model, engine.draft, TreeSpec(),
+                                          SamplingParams(0.0 if greedy else 0.6, 1.0), g, capacity,
+                                          max_nodes=max([n for n, _ in fits] + [1]), timed=True)
+        decs[greedy].prefill(ids, engine.max_batch_tokens)
+        roots[greedy] = ids[-1]
     device = engine.model.device
-    root = [ids[-1]]
 
-    def one_step():
-        root[0] = dec.step(root[0]).tokens[-1]
+    def one_step(greedy, n, d):
+        dec = decs[greedy]
+        dec.set_spec(TreeSpec("sequoia", n, d, acceptance=PROFILE_VECTOR) if n > 1 else TreeSpec())
+        whole = _timed(lambda: roots.__setitem__(greedy, dec.step(roots[greedy]).tokens[-1]), device)
+        return whole, dec.last_times.draft, dec.last_times.target
 
     started = time.perf_counter()
-    shapes, times = [], []
-    for k, (n, d) in enumerate(fits + [(1, 1)]):
-        if n > 1 and k >= MIN_STEP_SHAPES and time.perf_counter() - started > budget_s:
-            continue
-        dec.set_spec(TreeSpec("sequoia", n, d, acceptance=PROFILE_VECTOR) if n > 1 else TreeSpec())
-        for _ in range(2 if k == 0 else 1):  # fresh cache pages, first-use allocations, a draft catching up
-            one_step()
-        runs = []
-        while len(runs) < (3 if not runs or runs[0][0] < 1.0 else 1):
-            whole = _timed(one_step, device)
-            runs.append((whole, dec.last_times.draft, dec.last_times.target))
+    shapes = []
+    for k, (n, d) in enumerate(fits):  # the warm-up round picks the shapes
+        if k >= MIN_STEP_SHAPES and time.perf_counter() - started > budget_s / 4:
+            break
         shapes.append((n, d))
-        times.append(tuple(statistics.median(r[i] for r in runs) for i in range(3)))
+        for greedy in (True, False):
+            one_step(greedy, n, d)
+    shapes.append((1, 1))
+    for greedy in (True, False):
+        one_step(greedy, 1, 1)
+    runs = {(greedy, shape): [] for greedy in (True, False) for shape in shapes}
+    for r in range(3):
+        if r == 2 and time.perf_counter() - started > budget_s:
+            break
+        for shape in shapes:
+            for greedy in (True, False):
+                runs[greedy, shape].append(one_step(greedy, *shape))
+    times = {greedy: [tuple(statistics.median(x[i] for x in runs[greedy, shape]) for i in range(3))
+                      for shape in shapes] for greedy in (True, False)}
     return shapes, times
 
 
