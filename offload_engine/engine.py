@@ -440,7 +440,9 @@ class Engine:
         by_length = [0] * (planner.max_depth if adaptive else spec.depth)
         pending = [token]
         while True:
+            t_emit = time.perf_counter()
             done, eos = self._emit(pending, new, stream, budget, on_token)
+            t_emit = time.perf_counter() - t_emit  # text out: part of a step's cost as the user sees it
             if done:
                 break
             step = decoder.step(new[-1])
@@ -450,7 +452,8 @@ class Engine:
             by_length[min(len(step.verify.accepted), len(by_length) - 1)] += 1
             pending = step.tokens
             if planner is not None:  # the next step's tree, from this step and the ones before
-                nxt = planner.record(decoder.spec, step.verify, decoder.last_times, steps == 1)
+                times = replace(decoder.last_times, total=decoder.last_times.total + t_emit)
+                nxt = planner.record(decoder.spec, step.verify, times, steps == 1)
                 if nxt is not None:
                     decoder.set_spec(nxt)
         finish = "stop" if eos or stream.stopped else "length"

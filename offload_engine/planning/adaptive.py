@@ -22,9 +22,10 @@ only when the acceptance estimate has moved by more than REFILL_DISTANCE (L1), u
 current budget (the larger candidates kept as they were), and only when the refill's predicted
 cost keeps all re-planning under REPLAN_SHARE of the decoding time so far (counted across
 generations). It switches only when the new choice is predicted HYSTERESIS faster than the
-current one under the same model (no flapping). When plain decoding wins, one step in
-PROBE_EVERY runs the best tree anyway, so that the evidence that would bring the tree back
-keeps coming.
+current one under the same model (no flapping). When plain decoding wins, a step after
+PROBE_EVERY plain ones runs the best tree anyway, so that the evidence that would bring the
+tree back keeps coming; each probe after which plain decoding stays chosen doubles the wait (up
+to PROBE_MAX steps), so that a draft that does not pay costs little.
 
 A planner belongs to one request temperature (greedy and sampled requests never share one);
 what it learned carries over from one generation to the next.
@@ -54,7 +55,8 @@ PRIOR_STEPS = 3  # the profile's timings fill this many places of a short window
 WINDOW = 7  # steps whose median ratio is a timing factor
 EVERY = 4  # steps between re-plans
 HYSTERESIS = 0.05  # a new tree must be predicted this much faster
-PROBE_EVERY = 12  # plain steps between probes of the best tree
+PROBE_EVERY = 12  # plain steps before the first probe of the best tree
+PROBE_MAX = 48  # probes that keep plain decoding chosen double the wait up to this
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
@@ -204,6 +206,7 @@ class OnlinePlanner:
         self.current = candidates.best(base)
         self.since_replan = 0
         self.plain_run = 0
+        self.probe_wait = PROBE_EVERY
         self.probing = False
         self._probe_choice = self.current
         self._seen: set = set()  # tree shapes this planner has run
@@ -266,7 +269,9 @@ class OnlinePlanner:
             self.plain_run += 1
         if self.since_replan >= EVERY or was_probing:
             self._replan()
-        if self.current.budget == 1 and self.plain_run >= PROBE_EVERY:
+        if was_probing:  # plain still chosen after a probe: wait longer before the next
+            self.probe_wait = min(2 * self.probe_wait, PROBE_MAX) if self.current.budget == 1 else PROBE_EVERY
+        if self.current.budget == 1 and self.plain_run >= min(self.probe_wait, PROBE_MAX):
             self.plain_run = 0
             probe = self.candidates.best(self.timing.timings(), allow_plain=False)
             if probe.budget > 1:
@@ -308,7 +313,7 @@ class OnlinePlanner:
             if (best.budget, best.depth) != (self.current.budget, self.current.depth):
                 self.log.switches += 1
                 if best.budget > 1:
-                    self.plain_run = 0
+                    self.plain_run, self.probe_wait = 0, PROBE_EVERY
             self.current = best
         else:
             self.current = now
