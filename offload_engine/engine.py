@@ -433,9 +433,9 @@ class Engine:
         token = decoder.first_token(decoder.prefill(ids, self.max_batch_tokens))
         prefill_s = time.perf_counter() - start
         new: list[int] = []
-        steps, by_rank = 0, [0] * max(1, spec.acceptance.width if spec.kind == "sequoia" else spec.max_nodes)
-        if planner is not None:
-            by_rank = [0] * planner.candidates.acceptance.width
+        ranks = (planner.candidates.acceptance.width if planner is not None
+                 else spec.acceptance.width if spec.kind == "sequoia" else spec.max_nodes)
+        steps, by_rank = 0, [0] * max(1, ranks)
         # steps by the number of tree nodes they accepted (0 .. depth-1)
         by_length = [0] * (planner.max_depth if adaptive else spec.depth)
         pending = [token]

@@ -240,13 +240,11 @@ def _stats_line(stats: dict) -> str:
             f"prompt {stats['prompt_tokens']} tokens{reused}, prefill {stats['prefill_seconds']:.2f} s; "
             f"{stats['target_passes']} target passes")
     auto = stats.get("auto")
-    if stats["tree"] != "none" and not auto:
-        line += f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
-    elif not auto:
-        line += ", 1 token/step (plain decoding)"
-    if auto and stats["target_steps"]:
-        line += f", {stats['tokens_per_step']:.2f} tokens/step"
-        line += ", " + _auto_summary(stats, auto)
+    if auto is None:
+        line += (f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
+                 if stats["tree"] != "none" else ", 1 token/step (plain decoding)")
+    elif stats["target_steps"]:
+        line += f", {stats['tokens_per_step']:.2f} tokens/step, " + _auto_summary(stats, auto)
     if stats["bytes_streamed"]:
         line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
                  f"stalled {stats['stall_seconds']:.2f} s")

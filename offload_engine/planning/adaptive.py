@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import TreeTable
@@ -79,7 +79,6 @@ class AcceptanceEstimate:
         # decayed counts, the prior's pseudo-observations included
         self.accepted = [strength * h for h in self.prior_h]
         self.at_risk = [strength] * self.width
-        self.nodes = 0  # observations, undecayed
 
     def observe(self, children: int, rank: int | None) -> None:
         """A node with `children` children whose child of 0-based `rank` was accepted (None:
@@ -89,7 +88,6 @@ class AcceptanceEstimate:
             self.at_risk[r] += 1.0
         if rank is not None and rank < self.width:
             self.accepted[rank] += 1.0
-        self.nodes += 1
 
     def fade(self) -> None:
         """Once per step: older evidence weighs less."""
@@ -144,7 +142,6 @@ class TimingEstimate:
 
     def timings(self) -> Timings:
         """The profile's timings with the learned factors applied."""
-        from dataclasses import replace
         b, kt, kd = self.base, self.factor("target"), self.factor("draft")
         return replace(b, target_seconds=tuple(t * kt for t in b.target_seconds),
                        draft_seconds=tuple(t * kd for t in b.draft_seconds), step_seconds=b.step_seconds * kt,

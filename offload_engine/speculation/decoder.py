@@ -315,22 +315,31 @@ class SpeculativeDecoder:
         logits = None
         self.chunk = chunk  # the widest forward: the draft's catching up runs in chunks of it too
         for model, seq in zip((self.target, self._draft_model), self.seqs):
-            cache, dev = seq.cache, model.device
             is_target = model is self.target
-            start = min(common_prefix(seq.tokens, ids), len(ids) - 1 if is_target else len(ids), cache.length)
-            del seq.tokens[start:]  # the token list first: it may run short of the cache, never past it
-            cache.truncate(start)
+            start = min(common_prefix(seq.tokens, ids), len(ids) - 1 if is_target else len(ids), seq.cache.length)
             if is_target:
                 self.reused_tokens = start
-            for lo in range(start, len(ids), chunk):
-                hi = min(lo + chunk, len(ids))
-                rows = slice(hi - lo - 1, hi - lo) if is_target and hi == len(ids) else slice(0, 0)
-                out = model.forward(torch.tensor(ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev), cache,
-                                    logits_rows=rows)
-                cache.advance(hi - lo)
-                seq.tokens.extend(ids[lo:hi])
-                if is_target and hi == len(ids):
-                    logits = out[-1]
+                logits = self._feed(model, seq, ids, start, want_logits=True)
+            else:
+                self._feed(model, seq, ids, start)
+        return logits
+
+    def _feed(self, model: Transformer, seq: CachedSequence, ids: list[int], start: int,
+              want_logits: bool = False) -> torch.Tensor | None:
+        """ids[start:] into the model's cache after its first `start` slots, in chunks of the
+        widest forward; the logits at the last token when asked."""
+        del seq.tokens[start:]  # the token list first: it may run short of the cache, never past it
+        seq.cache.truncate(start)
+        dev, logits = model.device, None
+        for lo in range(start, len(ids), self.chunk):
+            hi = min(lo + self.chunk, len(ids))
+            last = want_logits and hi == len(ids)
+            out = model.forward(torch.tensor(ids[lo:hi], device=dev), torch.arange(lo, hi, device=dev), seq.cache,
+                                logits_rows=slice(hi - lo - 1, hi - lo) if last else slice(0, 0))
+            seq.cache.advance(hi - lo)
+            seq.tokens.extend(ids[lo:hi])
+            if last:
+                logits = out[-1]
         return logits
 
     def first_token(self, logits: torch.Tensor) -> int:
@@ -342,16 +351,8 @@ class SpeculativeDecoder:
     def _catch_up_draft(self) -> None:
         """Run the draft over committed tokens it has not seen (steps decoded plainly while it
         sat out), so that its cache again holds every committed token but the root."""
-        seq, committed = self.seqs[1], self.seqs[0].tokens
-        while len(seq.tokens) < len(committed):
-            lo = len(seq.tokens)
-            hi = min(len(committed), lo + self.chunk)
-            seq.cache.truncate(lo)
-            dev = self.device
-            self.draft.forward(torch.tensor(committed[lo:hi], device=dev), torch.arange(lo, hi, device=dev), seq.cache,
-                               logits_rows=slice(0, 0))
-            seq.cache.advance(hi - lo)
-            seq.tokens.extend(committed[lo:hi])
+        seq = self.seqs[1]
+        self._feed(self.draft, seq, self.seqs[0].tokens, len(seq.tokens))
 
     def step(self, root: int) -> StepResult:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
