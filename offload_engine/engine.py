@@ -32,6 +32,7 @@ from .runtime.placement import PlacementPlan, kv_cache_bytes, largest_matrix_byt
 from .runtime.quant import DEFAULT_GROUP_SIZE
 from .speculation.acceptance_store import draft_key, nearest, stored_vectors
 from .speculation.decoder import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
+from .speculation.suffix import DEFAULT_MEMORY, MAX_PATTERN, SuffixDrafter, SuffixStore, split_draft
 from .speculation.drafts import (SELF_DRAFTS, build_self_draft, check_group_size, default_draft_dir, self_draft_bytes,
                                  self_draft_scheme)
 
@@ -223,6 +224,8 @@ class Engine:
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
         self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
+        # --draft suffix / X+suffix: earlier requests' prompts and outputs, per store key
+        self.suffix_store: SuffixStore | None = None
         # stops the loader thread when the engine is closed, collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, model.layers.close)
         self.plan = plan
@@ -251,7 +254,8 @@ class Engine:
              tree: str = "auto", tree_budget: int | None = None, tree_depth: int | None = None,
              specinfer_width: int = 4,
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
-             cache_slots: int = 1, weights: str = "auto", adapt: bool = True, progress: bool = True) -> "Engine":
+             cache_slots: int = 1, weights: str = "auto", adapt: bool = True,
+             suffix_memory: int = DEFAULT_MEMORY, progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -270,7 +274,14 @@ class Engine:
         GGUF blocks included; "bf16", "f16", "f32", "q8_0", "q4_0", "q4_1" convert at store build).
         With tree "auto" and `adapt` (the default), each generation re-chooses the tree every few
         steps from what its steps measure (`planning.adaptive`); adapt=False keeps the choice fixed.
+        draft "suffix" drafts from text already seen, with no model (`speculation.suffix`): the
+        prompt and output so far and a store of earlier requests' (`suffix_memory` tokens at most);
+        "X+suffix" grafts those drafts onto draft X's trees.
         """
+        draft, use_suffix = split_draft(draft)
+        if use_suffix and suffix_memory < 0:
+            raise UserError(f"--suffix-memory must be >= 0 tokens, got {suffix_memory}")
+        suffix_nodes = MAX_PATTERN if use_suffix else 0  # the most a suffix proposal adds to a pass
         auto = tree == "auto"
         if auto:
             cap_budget = AUTO_MAX_BUDGET if tree_budget is None else tree_budget
@@ -281,8 +292,9 @@ class Engine:
         else:
             spec = _tree_spec(tree, 64 if tree_budget is None else tree_budget, 8 if tree_depth is None else tree_depth,
                               specinfer_width, acceptance)
+        widest = (spec.max_nodes if draft is not None else 1) + suffix_nodes
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
-                   max(max_batch_tokens, spec.max_nodes), progress, draft, draft_group_size, cache_slots, weights)
+                   max(max_batch_tokens, widest), progress, draft, draft_group_size, cache_slots, weights)
         tokenizer = Tokenizer.from_folder(s.folder)
         if tokenizer.vocab_size > s.cfg.vocab_size:
             raise UserError(f"{s.folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
@@ -310,10 +322,12 @@ class Engine:
             target_fp, dkey = fingerprint(s.folder), draft_key(draft, s.draft_folder, draft_group_size)
             if tree == "sequoia" and acceptance is None:
                 stored = _usable_vectors(stored_vectors(target_fp, dkey), spec)
-        engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, spec.max_nodes),
+        engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, widest),
                      draft_model, spec if draft_model is not None else TreeSpec(), cache_slots)
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
         engine.adapt = adapt
+        if use_suffix:
+            engine.suffix_store = SuffixStore(suffix_memory)
         if auto and draft_model is not None:
             engine._plan_auto(acceptance, cap_budget, cap_depth, progress)
         return engine
@@ -377,13 +391,15 @@ class Engine:
                  messages: list[dict] | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: list[str] | str | None = None, on_token: OnToken | None = None,
-                 cancel: threading.Event | None = None) -> GenerationResult:
+                 cancel: threading.Event | None = None, suffix_key: object = None) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (speculating when a draft is loaded).
         on_token(token_id, text) is called for every new token with the text it makes safe to
         show (possibly ''); the result's text excludes a matched stop string. The K/V of the
         longest prefix shared with the previous generation's tokens is reused (`prefix_cache`).
         Setting `cancel` from another thread stops the generation at the next layer boundary
-        with GenerationCancelled."""
+        with GenerationCancelled. With suffix drafts, `suffix_key` names the store of earlier
+        requests this one drafts from and adds to (the server keeps one per API key or
+        conversation, so that one client's text never speeds up, or is revealed to, another's)."""
         try:
             params = SamplingParams(temperature, top_p, top_k)
         except ValueError as e:
@@ -396,18 +412,19 @@ class Engine:
             raise UserError(f"seed must be in 0..2**63-1, got {seed}")
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         if cancel is None:
-            return self._decode(ids, max_new_tokens, params, generator, stop, on_token)
+            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key)
         models = [m for m in (self.model, self.draft) if m is not None]
         for m in models:
             m.interrupt = cancel
         try:
-            return self._decode(ids, max_new_tokens, params, generator, stop, on_token)
+            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key)
         finally:
             for m in models:
                 m.interrupt = None
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
-                generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None) -> GenerationResult:
+                generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None,
+                suffix_key: object = None) -> GenerationResult:
         """One loop for every mode: plain decoding is a one-node tree without a draft."""
         budget = min(max_new_tokens, self.max_context - len(ids))
         spec = self.tree if self.draft is not None else TreeSpec()
@@ -424,9 +441,12 @@ class Engine:
         # (--tree none, or auto choosing plain decoding: the draft sits the steps out; with adaptation
         # its cache is kept and catches up before its next tree)
         adaptive = planner is not None and planner.adapt and planner.max_nodes > 1
+        drafter = None
+        if self.suffix_store is not None:
+            drafter = SuffixDrafter(ids, self.suffix_store.snapshot(suffix_key), MAX_PATTERN + 1)
         decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
-                                     timed=adaptive)
+                                     timed=adaptive, suffix=drafter)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -453,16 +473,22 @@ class Engine:
             pending = step.tokens
             if planner is not None:  # the next step's tree, from this step and the ones before
                 times = replace(decoder.last_times, total=decoder.last_times.total + t_emit)
-                nxt = planner.record(decoder.spec, step.verify, times, steps == 1)
+                nxt = planner.record(decoder.spec, decoder.last_model_verify, times, steps == 1)
                 if nxt is not None:
                     decoder.set_spec(nxt)
         finish = "stop" if eos or stream.stopped else "length"
         seconds = time.perf_counter() - start
+        suffix_stats = None
+        if drafter is not None:  # this request's new text joins its key's store
+            self.suffix_store.add(suffix_key, ids[decoder.reused_tokens:] + new)
+            suffix_stats = {**drafter.stats(), "accepted_tokens": decoder.suffix_accepted,
+                            "store_total_tokens": self.suffix_store.tokens}
         stats = {"prompt_tokens": len(ids), "cached_prompt_tokens": decoder.reused_tokens,
                  "prefilled_tokens": len(ids) - decoder.reused_tokens, "new_tokens": len(new), "seconds": seconds,
                  "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,
                  "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
-                 "finish_reason": finish, "tree": spec.kind, "tree_budget": spec.max_nodes, "tree_depth": spec.depth,
+                 "finish_reason": finish, "tree": _tree_name(spec, self.draft, drafter),
+                 "tree_budget": spec.max_nodes, "tree_depth": spec.depth, "suffix": suffix_stats,
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
                  "acceptance_by_rank": by_rank, "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
@@ -499,6 +525,12 @@ class Engine:
             if done:
                 return True, eos
         return False, False
+
+
+def _tree_name(spec: TreeSpec, draft, drafter) -> str:
+    if drafter is None:
+        return spec.kind
+    return "suffix" if draft is None else f"{spec.kind}+suffix"
 
 
 def _auto_stats(auto, planner) -> dict:

@@ -7,6 +7,13 @@ rejection R becomes the normalised positive part of R - Q, and (children drawn w
 replacement) Q loses the rejected token and is renormalised. When every child is rejected, the
 bonus token is drawn from R; at a leaf, from P. The emitted tokens then have exactly the target's
 distribution. SpecInfer's rule (children drawn with replacement) keeps Q unchanged.
+
+A *fixed* candidate (a suffix draft's continuation, `offload_engine.speculation.suffix`) is a
+proposal with all its probability on its own token: it is accepted with probability R[t], and on
+rejection R loses t (R <- norm(R with R[t] = 0)) while Q stays as it was (the model's draws did
+not depend on it). Fixed and drawn candidates may be mixed under one node in any order fixed
+before the target is read; each test is the same recursive rejection step with that candidate's
+own proposal, so the emitted token still has exactly the distribution R it started from.
 """
 
 from __future__ import annotations
@@ -44,13 +51,16 @@ def _normalise(x: torch.Tensor) -> torch.Tensor | None:
 
 def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                       generator: torch.Generator | None = None, without_replacement: bool = True,
-                      extra_draws: dict[int, list[int]] | None = None) -> VerifyResult:
+                      extra_draws: dict[int, list[int]] | None = None,
+                      fixed: frozenset[int] | set[int] = frozenset()) -> VerifyResult:
     """parents[i]: node i's parent (root = node 0, -1); tokens[i]: node i's token; target_probs and
     draft_probs [n, V]: P and Q at each node (Q is what the node's children were drawn from; rows
     are read only for nodes with candidates, so Q may stop before the last level).
     extra_draws[i]: tokens drawn at node i after its children in the tree, in draw order (a
     best-first tree keeps a prefix of each node's draws whose length depends on the tokens drawn;
     testing the rest the same way keeps the rule exact, and an accepted one is the bonus token).
+    fixed: the nodes whose token is a fixed proposal (see the module docstring); draft_probs may
+    be None when every candidate is one.
     Fresh uniforms are drawn from `generator` for every test."""
     kids = _children(parents)
     node, accepted, ranks = 0, [], []
@@ -59,22 +69,32 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
         step = None
         candidates = [(int(tokens[c]), c) for c in kids.get(node, []) if int(tokens[c]) >= 0]  # -1: never drawn
         candidates += [(t, None) for t in (extra_draws or {}).get(node, [])]
-        q = draft_probs[node].double().clone() if candidates else None  # (a leaf may have no row)
+        drawn = any(child is None or child not in fixed for _, child in candidates)
+        q = draft_probs[node].double().clone() if drawn else None  # (a leaf, or fixed children only: no row)
+        exhausted = False  # the draft's support ran out: its later draws never happened
         for rank, (t, child) in enumerate(candidates):
+            det = child is not None and child in fixed
+            if exhausted and not det:
+                continue
             u = torch.rand((), generator=generator, dtype=torch.float64, device=residual.device)
-            if u * q[t] < residual[t]:  # accept with probability min(1, R[t] / Q[t])
+            # accept with probability min(1, R[t] / Q[t]); a fixed proposal has Q[t] = 1
+            if (u < residual[t]) if det else (u * q[t] < residual[t]):
                 if child is None:  # a drawn token outside the tree: it is the bonus
                     return VerifyResult(tuple(accepted), t, tuple(ranks))
                 step = (child, rank)
                 break
+            if det:  # R <- norm(R without t); Q is not the fixed proposal's, so it stands
+                residual = residual.clone()
+                residual[t] = 0.0
+                residual = _normalise(residual)  # never None: u < 1 = R[t] would have accepted
+                continue
             new = _normalise((residual - q).clamp_min(0))  # R <- norm(max(R - Q, 0))
             if new is not None:  # no mass left (R == Q): R stands
                 residual = new
             if without_replacement:  # the next child was drawn from Q without this token
                 q[t] = 0.0
                 q = _normalise(q)
-                if q is None:
-                    break
+                exhausted = q is None
         if step is None:
             return VerifyResult(tuple(accepted), sample(residual.float(), generator), tuple(ranks))
         node = step[0]
@@ -85,7 +105,8 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
 def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                             generator: torch.Generator | None = None, without_replacement: bool = True,
                             extra_draws: dict[int, list[int]] | None = None,
-                            bonus_generator: torch.Generator | None = None, want_tokens: bool = False):
+                            bonus_generator: torch.Generator | None = None, want_tokens: bool = False,
+                            fixed: frozenset[int] | set[int] = frozenset()):
     """`verify_stochastic`'s rule, with its arithmetic done for every node at once on the device
     that holds the probabilities, so that only small tables cross to the host.
 
@@ -106,7 +127,8 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
     the node the walk ends at is used (each drawn from its own distribution, independently of the
     tests: the emitted tokens keep their distribution). Without it, the walk draws the bonus from
     `generator` after fetching that one row, as `verify_stochastic` does (seed for seed equal).
-    want_tokens: also return the tree's tokens as a host list, from the same transfer."""
+    want_tokens: also return the tree's tokens as a host list, from the same transfer.
+    fixed: nodes whose token is a fixed proposal, as in `verify_stochastic`."""
     kids = _children(parents)
     extra = extra_draws or {}
     nodes = sorted(set(kids) | {n for n, t in extra.items() if t})
@@ -117,42 +139,52 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
     width = max(len(kids.get(n, [])) + len(extra.get(n, [])) for n in nodes)
     child_ix = torch.full((len(nodes), width), -1, dtype=torch.long)  # tree node of each candidate
     extra_tok = torch.full((len(nodes), width), -1, dtype=torch.long)  # token of an extra draw
+    det = torch.zeros((len(nodes), width), dtype=torch.long)  # 1: a fixed proposal
     for row, n in enumerate(nodes):
         ch, ex = kids.get(n, []), extra.get(n, [])
         child_ix[row, :len(ch)] = torch.tensor(ch, dtype=torch.long)
         extra_tok[row, len(ch):len(ch) + len(ex)] = torch.tensor(ex, dtype=torch.long)
-    index = torch.cat([child_ix.flatten(), extra_tok.flatten(), torch.tensor(nodes, dtype=torch.long)])
+        if fixed:
+            det[row, :len(ch)] = torch.tensor([c in fixed for c in ch], dtype=torch.long)
+    index = torch.cat([child_ix.flatten(), extra_tok.flatten(), torch.tensor(nodes, dtype=torch.long), det.flatten()])
     if dev.type == "cuda":  # one pinned, asynchronous copy (a pageable one would wait for the stream)
         index = index.pin_memory().to(dev, non_blocking=True)
     else:
         index = index.to(dev)
     size = len(nodes) * width
     child_ix, extra_tok = index[:size].view(len(nodes), width), index[size:2 * size].view(len(nodes), width)
-    node_ix = index[2 * size:]
+    node_ix = index[2 * size:2 * size + len(nodes)]
+    det = index[2 * size + len(nodes):].view(len(nodes), width).bool()
     tokens = torch.as_tensor(tokens).to(dev)
     cand = torch.where(child_ix >= 0, tokens[child_ix.clamp_min(0)], extra_tok)  # [N, K] token ids, -1 = none
     residual = target_probs[node_ix].double()
-    q = draft_probs[node_ix].double()
-    alive = torch.ones(len(nodes), dtype=torch.bool, device=dev)
+    if draft_probs is None:  # fixed proposals only
+        q = torch.zeros_like(residual)
+    else:  # nodes past Q's rows (a leaf of the draft's tree with fixed children) read no row
+        rows = draft_probs.shape[0]
+        q = draft_probs[node_ix.clamp(max=rows - 1)].double() * (node_ix < rows)[:, None]
+    alive = torch.ones(len(nodes), dtype=torch.bool, device=dev)  # False: the draft's support ran out
     accept = torch.zeros(len(nodes), width, dtype=torch.float64, device=dev)
     tested = torch.zeros(len(nodes), width, dtype=torch.bool, device=dev)  # drawn and reached
     for r in range(width):
-        t = cand[:, r]
-        valid = alive & (t >= 0)
+        t, d = cand[:, r], det[:, r]
+        valid = (alive | d) & (t >= 0)
+        drawn = valid & ~d
         tested[:, r] = valid
         col = t.clamp_min(0)[:, None]
         qt, rt = q.gather(1, col)[:, 0], residual.gather(1, col)[:, 0]
-        # P(u * q[t] < R[t]) for u ~ U[0, 1): min(1, R/Q); when q[t] is 0, 1 if R[t] > 0 else 0
+        # P(u * q[t] < R[t]) for u ~ U[0, 1): min(1, R/Q); when q[t] is 0, 1 if R[t] > 0 else 0;
+        # a fixed proposal (Q[t] = 1): R[t]
         ratio = torch.where(qt > 0, (rt / qt.clamp_min(1e-300)).clamp(max=1.0), (rt > 0).double())
-        accept[:, r] = torch.where(valid, ratio, torch.zeros_like(ratio))
-        new = (residual - q).clamp_min(0)
+        accept[:, r] = torch.where(valid, torch.where(d, rt, ratio), torch.zeros_like(ratio))
+        new = torch.where(d[:, None], residual.scatter(1, col, 0.0), (residual - q).clamp_min(0))
         total = new.sum(1, keepdim=True)
         residual = torch.where((valid[:, None] & (total > 0)), new / total.clamp_min(1e-300), residual)
         if without_replacement:
-            q = q.scatter(1, col, torch.where(valid, torch.zeros_like(qt), qt)[:, None])
+            q = q.scatter(1, col, torch.where(drawn, torch.zeros_like(qt), qt)[:, None])
             qsum = q.sum(1, keepdim=True)
-            alive = alive & ~(valid & (qsum[:, 0] <= 0))  # no draft mass left: later candidates were never drawn
-            q = torch.where(valid[:, None] & (qsum > 0), q / qsum.clamp_min(1e-300), q)
+            alive = alive & ~(drawn & (qsum[:, 0] <= 0))  # no draft mass left: later draws never happened
+            q = torch.where(drawn[:, None] & (qsum > 0), q / qsum.clamp_min(1e-300), q)
     cand = torch.where(tested, cand, torch.full_like(cand, -1))  # candidates the walk may test
     parts = [accept.flatten(), cand.double().flatten(), child_ix.double().flatten()]
     if want_tokens:

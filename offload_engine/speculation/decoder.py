@@ -42,6 +42,7 @@ from sequoia_trees.verify import VerifyResult, verify_greedy_argmax, verify_stoc
 from ..runtime.draft_graphs import StaticLevels
 from ..runtime.kv_cache import KVCache
 from ..runtime.model import Transformer
+from .suffix import SuffixDrafter, graft
 
 TREE_KINDS = ("sequoia", "specexec", "specinfer", "chain", "none")
 # How stochastic verification runs: "walk" on the host (cheapest where logits already are there),
@@ -122,6 +123,18 @@ class StaticShape:
             rows = torch.tensor([parents[j] - lo for j in range(hi, nxt)], device=device)
             ranks = torch.tensor([rank_of[j] for j in range(hi, nxt)], device=device)
             self.levels.append((lo, hi, (hi, nxt, rows, ranks, max(rank_of[hi:nxt]) + 1)))
+
+
+def _host_mask(parents: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ancestor mask and depths of a small tree given by its parents (each before its children)."""
+    n = len(parents)
+    mask, depths = torch.zeros(n, n, dtype=torch.bool), [0] * n
+    for i in range(n):
+        if parents[i] >= 0:
+            mask[i] = mask[parents[i]]
+            depths[i] = depths[parents[i]] + 1
+        mask[i, i] = True
+    return mask.to(device), torch.tensor(depths, device=device)
 
 
 class Tree:
@@ -250,12 +263,17 @@ class SpeculativeDecoder:
     max_nodes: the largest tree a later `set_spec` may ask for (online re-planning); with it the
     draft's cache is kept even while the spec is plain decoding, and a draft that sat out some
     steps catches up on their tokens before it grows the next tree. Each step's parts are timed
-    (`last_times`; on a GPU the draft's part is synchronized only when `timed`)."""
+    (`last_times`; on a GPU the draft's part is synchronized only when `timed`).
+    suffix: a `SuffixDrafter` (drafts from text already seen, `speculation/suffix.py`). Without a
+    draft model each step's tree is its proposal (a one-node tree when nothing matched); with one,
+    its paths are grafted onto the model's tree, after the model's children of each node. Its nodes
+    are fixed proposals in verification; a grafted node has no draft K/V, so the draft catches up
+    on an accepted one at its next step."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
                  verify: str = "auto", draft_graphs: str = "auto", max_nodes: int | None = None,
-                 timed: bool = False):
+                 timed: bool = False, suffix: SuffixDrafter | None = None):
         if spec.kind == "none" and max_nodes is None:
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         if verify not in VERIFY_MODES:
@@ -265,10 +283,14 @@ class SpeculativeDecoder:
         self.target, self.draft, self.spec, self.params, self.g = target, draft, spec, params, generator
         self.verify_mode = verify if verify != "auto" else ("walk" if target.device.type == "cpu" else "table")
         self.max_nodes = max(spec.max_nodes, max_nodes or 1)
+        self.suffix = suffix
+        self.graft_room = suffix.max_nodes - 1 if suffix is not None else 0  # nodes a proposal may add
+        self.suffix_accepted = 0  # accepted tokens that were suffix nodes
+        self.last_model_verify: VerifyResult | None = None  # the last step's verification, model nodes only
         self.timed = timed
         self.last_times = StepTimes(0.0, 0.0, 0.0)
         self.chunk = 256  # set by prefill
-        need = capacity + self.max_nodes
+        need = capacity + self.max_nodes + self.graft_room
         self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None
                      else CachedSequence(m.new_cache(need), []) for m in (target, draft) if m is not None]
         self.target_cache = self.seqs[0].cache
@@ -362,7 +384,14 @@ class SpeculativeDecoder:
             if self.timed and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         t_caught = time.perf_counter()
-        if self.draft is None:
+        proposal = self.suffix.propose(root) if self.suffix is not None else None
+        fixed: frozenset[int] = frozenset()
+        if self.draft is None and proposal is not None and proposal.size > 1:  # a suffix tree alone
+            parents, draft_probs = proposal.parents, None
+            tokens = torch.tensor(proposal.tokens, device=self.device)
+            mask, depths = _host_mask(parents, self.device)
+            fixed = frozenset(range(1, len(parents)))
+        elif self.draft is None:
             parents, tokens, draft_probs = (-1,), torch.tensor([root], device=self.device), None
             mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
             depths = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -374,29 +403,61 @@ class SpeculativeDecoder:
             n = len(tree)
             parents, tokens = tuple(tree.parents), torch.tensor(tree.tokens, device=self.device)
             mask, depths = tree.mask[:n, :n], torch.tensor(tree.depths, device=self.device)
+        n_model = len(parents)  # the nodes the draft model ran on (the rest are grafted)
+        if self.draft is not None and proposal is not None and proposal.size > 1 and self.graft_room:
+            parents, tokens, mask, depths, fixed = self._graft(parents, tokens, mask, depths, proposal)
         if self.timed and self.draft is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
-        result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs)
+        result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs, fixed)
         t2 = time.perf_counter()
         path = [0] + list(result.accepted)
         kept = [host_tokens[i] for i in path]
         base = self.target_cache.length
         self.target_cache.commit([base + i for i in path])
         self.seqs[0].tokens.extend(kept)
+        self.suffix_accepted += sum(1 for i in result.accepted if i in fixed)
+        # the model's nodes on the path come first: a grafted node's descendants are all grafted
+        on_model = next((k for k, i in enumerate(path) if i >= n_model), len(path))
+        if on_model == len(path):
+            self.last_model_verify = result
+        else:  # the model's view: its children at the first grafted node's parent were all rejected
+            self.last_model_verify = VerifyResult(result.accepted[:on_model - 1], host_tokens[path[on_model]],
+                                                  result.accepted_ranks[:on_model - 1])
         if self.draft is not None:
-            dbase = self.draft_cache.length - len(parents)  # the tree's slots follow the committed ones
+            dbase = self.draft_cache.length - n_model  # the tree's slots follow the committed ones
             self.draft_cache.truncate(dbase)
-            self.draft_cache.commit([dbase + i for i in path])
-            self.seqs[1].tokens.extend(kept)
+            self.draft_cache.commit([dbase + i for i in path[:on_model]])
+            self.seqs[1].tokens.extend(kept[:on_model])  # (the rest: caught up at the next step)
+        if self.suffix is not None:
+            self.suffix.extend(kept)
         self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0, t_caught - t0)
         return StepResult(kept[1:] + [result.bonus_token], result)
+
+    def _graft(self, parents, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor, proposal):
+        """The model's tree with the suffix proposal's new paths added (`suffix.graft`): their
+        mask rows and depths follow their parents'. Returns parents, tokens, mask, depths and the
+        fixed (grafted) nodes."""
+        host_tokens, host_depths = torch.stack([tokens, depths.to(tokens.device)]).tolist()
+        new_parents, new_tokens, added = graft(list(parents), host_tokens, proposal, self.graft_room)
+        if not added:
+            return parents, tokens, mask, depths, frozenset()
+        n, total = len(parents), len(new_parents)
+        grown = torch.zeros(total, total, dtype=torch.bool, device=mask.device)
+        grown[:n, :n] = mask
+        for i in added:
+            grown[i] = grown[new_parents[i]]
+            grown[i, i] = True
+            host_depths.append(host_depths[new_parents[i]] + 1)
+        return (tuple(new_parents), torch.tensor(new_tokens, device=tokens.device), grown,
+                torch.tensor(host_depths, device=depths.device), frozenset(added))
 
     # ---- target side ------------------------------------------------------------------------
 
     def _verify(self, parents: tuple[int, ...], tokens: torch.Tensor, tree_mask: torch.Tensor, depths: torch.Tensor,
-                draft_probs: torch.Tensor | None) -> tuple[VerifyResult, list[int]]:
-        """The target's pass over the tree and its verification; also the tree's tokens on the host."""
+                draft_probs: torch.Tensor | None, fixed: frozenset[int] = frozenset()) -> tuple[VerifyResult, list[int]]:
+        """The target's pass over the tree and its verification; also the tree's tokens on the host.
+        fixed: the nodes that are fixed proposals (suffix drafts)."""
         model, cache, dev = self.target, self.target_cache, self.target.device
         n, past = len(parents), self.target_cache.length
         tokens = tokens.to(dev)
@@ -407,17 +468,19 @@ class SpeculativeDecoder:
             host_tokens = host[0].tolist()
             return verify_greedy_argmax(parents, host_tokens, host[1].tolist()), host_tokens
         target_probs = logits_to_probs(logits, self.params)
-        if draft_probs is None:  # a one-node tree: plain sampling
+        if draft_probs is None and not fixed:  # a one-node tree: plain sampling
             return VerifyResult((), sample(target_probs[0].cpu(), self.g), ()), tokens.cpu().tolist()
         wr = self.spec.kind != "specinfer"
         if self.verify_mode == "table":  # one transfer per step: the table, the tokens, every node's bonus
-            return verify_stochastic_table(parents, tokens, target_probs, draft_probs.to(dev), self.g,
+            return verify_stochastic_table(parents, tokens, target_probs,
+                                           draft_probs.to(dev) if draft_probs is not None else None, self.g,
                                            without_replacement=wr, extra_draws=self._extra,
                                            bonus_generator=self.device_g if dev.type != "cpu" else None,
-                                           want_tokens=True)
+                                           want_tokens=True, fixed=fixed)
         host_tokens = tokens.cpu()
-        result = verify_stochastic(parents, host_tokens, target_probs.cpu(), draft_probs.cpu(), self.g,
-                                   without_replacement=wr, extra_draws=self._extra)
+        result = verify_stochastic(parents, host_tokens, target_probs.cpu(),
+                                   draft_probs.cpu() if draft_probs is not None else None, self.g,
+                                   without_replacement=wr, extra_draws=self._extra, fixed=fixed)
         return result, host_tokens.tolist()
 
     # ---- draft side -------------------------------------------------------------------------
