@@ -15,6 +15,11 @@ Modes, each over the same prompts at each temperature (seeded per prompt):
   sequoia-auto     `--tree auto`: the tree the optimizer chooses for this machine, re-chosen every
                    few steps from what the steps measure (online adaptation)
   auto-no-adapt    `--tree auto --no-adapt`: the profile's choice kept for the whole run
+  suffix           `--draft suffix`: no draft model, trees of continuations of text already seen
+                   (the prompt, the output so far, and earlier prompts' text: `--suffix-study`)
+  model-auto, model-N,D, hybrid-auto, hybrid-N,D
+                   (`--suffix-study`) the model draft alone and with suffix drafts grafted on
+                   (`--draft MODEL+suffix`), with `--tree auto` and with a fixed Sequoia tree
   best-fixed       (a row computed, not run) the fastest of plain-streamed and the fixed Sequoia
                    trees (`--hindsight`, or the sequoia-B modes) on the same prompts: the best fixed
                    choice in hindsight, which auto is measured against
@@ -60,6 +65,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-study", action="store_true",
                    help="only plain-streamed, sequoia-auto, auto-no-adapt and the --hindsight trees (and the "
                         "best-fixed row): what adaptation is measured with")
+    p.add_argument("--suffix-study", action="store_true",
+                   help="only plain-streamed, the model draft, suffix and hybrid drafts (auto and --suffix-tree): "
+                        "what suffix drafts are measured with (each engine's store starts empty at each temperature)")
+    p.add_argument("--suffix-tree", default="16,4", help="the fixed Sequoia tree N,D of --suffix-study's model-N,D "
+                                                         "and hybrid-N,D rows (default 16,4)")
     p.add_argument("--hindsight", default="2,2 4,3 8,3 16,4 32,5",
                    help="fixed Sequoia trees N,D run with --auto-study (space-separated)")
     p.add_argument("--fresh-profile", action="store_true",
@@ -98,19 +108,30 @@ def _study_modes(hindsight: list[tuple[int, int]]) -> list[dict]:
             + [{"mode": "sequoia-auto", "kind": "auto"}, {"mode": "auto-no-adapt", "kind": "auto", "adapt": False}])
 
 
+def _suffix_modes(n: int, d: int) -> list[dict]:
+    return [{"mode": "plain-streamed", "kind": "none", "draft": False},
+            {"mode": "suffix", "kind": "suffix", "draft_name": "suffix", "tree": "none"},
+            {"mode": "model-auto", "kind": "auto"},
+            {"mode": "hybrid-auto", "kind": "auto", "draft_name": "MODEL+suffix"},
+            {"mode": f"model-{n},{d}", "kind": "sequoia", "budget": n, "depth": d},
+            {"mode": f"hybrid-{n},{d}", "kind": "sequoia", "budget": n, "depth": d, "draft_name": "MODEL+suffix"}]
+
+
 def _load(args, m: dict):
     from offload_engine import Engine
     kw = dict(device=args.device, offload=m.get("offload", args.offload), progress=False)
     if m.get("draft", True):
-        kw.update(draft=args.draft, tree="auto" if m["kind"] == "auto" else m["kind"], adapt=m.get("adapt", True))
-        if m["kind"] != "auto":
+        kw.update(draft=m.get("draft_name", "MODEL").replace("MODEL", args.draft),
+                  tree=m.get("tree", "auto" if m["kind"] == "auto" else m["kind"]), adapt=m.get("adapt", True))
+        if m["kind"] not in ("auto", "suffix"):
             kw.update(tree_budget=m["budget"], tree_depth=m["depth"], specinfer_width=m.get("width", 4))
     return Engine.load(args.target, **kw)
 
 
 def _empty() -> dict:
     return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
-            "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": []}
+            "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": [], "suffix_accepted": 0,
+            "suffix_matched": 0}
 
 
 def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_tokens: int) -> None:
@@ -124,6 +145,9 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     acc["new_tokens"] += s["new_tokens"]
     acc["token_ids"].append(r.token_ids)
     acc["auto"] = s.get("auto")
+    if s.get("suffix"):
+        acc["suffix_accepted"] += s["suffix"]["accepted_tokens"]
+        acc["suffix_matched"] += s["suffix"]["matched_steps"]
     if s.get("auto"):  # each generation: predicted at its start, forecast step by step, measured
         a = s["auto"]
         acc["per_prompt"].append({
@@ -170,7 +194,12 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     rows, plain_ids = [], {}
     hindsight = [tuple(int(x) for x in t.split(",")) for t in args.hindsight.split()]
-    modes = _study_modes(hindsight) if args.auto_study else _modes(budgets)
+    if args.auto_study and args.suffix_study:
+        from offload_engine.errors import UserError
+        raise UserError("--auto-study and --suffix-study are separate runs: give one")
+    suffix_tree = tuple(int(x) for x in args.suffix_tree.split(","))
+    modes = (_study_modes(hindsight) if args.auto_study else _suffix_modes(*suffix_tree) if args.suffix_study
+             else _modes(budgets))
     if args.fresh_profile:
         _forget_profile(args)
     # Interleaved: prompt by prompt, every mode in turn, so that a slow stretch of a shared disk
@@ -182,6 +211,9 @@ def run(args: argparse.Namespace) -> dict:
         try:
             for t in temps:
                 accs = {m["mode"]: _empty() for m in group}
+                for e in engines.values():  # each temperature drafts only from its own earlier prompts
+                    if e.suffix_store is not None:
+                        e.suffix_store.clear()
                 for i, item in enumerate(prompts):
                     for m in group:
                         _add(accs[m["mode"]], engines[m["mode"]], item, i, t, args.max_new_tokens)
@@ -191,6 +223,9 @@ def run(args: argparse.Namespace) -> dict:
                            "depth": m.get("depth", 1), "temperature": t,
                            **{k: r[k] for k in ("tokens_per_step", "seconds_per_token", "target_passes",
                                                 "bytes_streamed_per_token", "steps", "tokens")}}
+                    if "draft_name" in m:  # suffix drafts: tokens they gave, steps they matched
+                        row["suffix_accepted_tokens"], row["suffix_matched_steps"] = (r["suffix_accepted"],
+                                                                                      r["suffix_matched"])
                     if m["kind"] == "auto" and r["auto"]:
                         row["budget"], row["depth"] = r["auto"]["budget"], r["auto"]["depth"]
                         row["predicted_seconds_per_token"] = r["auto"]["predicted_seconds_per_token"]
@@ -233,7 +268,8 @@ def run(args: argparse.Namespace) -> dict:
             peer["speedup_vs_plain_streamed"] = base["seconds_per_token"] / peer["seconds_per_token"]
             peer["plain_streamed_over_peer"] = peer["seconds_per_token"] / base["seconds_per_token"]
     return {"setting": {"target": args.target, "draft": args.draft, "offload": args.offload, "device": args.device,
-                        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperatures": temps,
+                        "prompts": len(prompts), "prompts_file": str(args.prompts),
+                        "max_new_tokens": args.max_new_tokens, "temperatures": temps,
                         "budgets": budgets}, "rows": rows, "peer": peer,
             "seconds": time.perf_counter() - started, "machine": _machine()}
 
@@ -267,6 +303,8 @@ def markdown(res: dict) -> str:
         mode = r["mode"] + (f" ({r['best_fixed_mode']})" if "best_fixed_mode" in r else "")
         if "vs_best_fixed" in r:
             mode += f": {r['vs_best_fixed']:.2f}x best fixed; {r['trees']}"
+        if "suffix_accepted_tokens" in r:
+            mode += f" ({r['suffix_accepted_tokens']} tokens from suffix drafts)"
         lines.append(f"| {mode} | {r['temperature']:g} | {r['budget']}, {r['depth']} | {r['tokens_per_step']:.2f} | "
                      f"{r['seconds_per_token']:.4f} | {r['speedup_vs_plain_streamed']:.2f}x | {r['target_passes']} | "
                      f"{r['bytes_streamed_per_token'] / 1e6:.1f} | {eq} |")
@@ -286,6 +324,8 @@ def plots(res: dict, folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     folder.mkdir(parents=True, exist_ok=True)
     out = []
+    if any(r["kind"] == "suffix" for r in res["rows"]):
+        return [_mode_bars(res, folder, plt)]
     for key, label, name in (("tokens_per_step", "tokens per step", "tokens_per_step.png"),
                              ("speedup_vs_plain_streamed", "speed-up over plain streamed decoding", "speedup.png")):
         fig, axes = plt.subplots(1, len(res["setting"]["temperatures"]), figsize=(11, 4), squeeze=False)
@@ -311,6 +351,30 @@ def plots(res: dict, folder: Path) -> list[Path]:
         plt.close(fig)
         out.append(path)
     return out
+
+
+def _mode_bars(res: dict, folder: Path, plt) -> Path:
+    """--suffix-study: tokens/step and speed-up per mode, bars side by side per temperature."""
+    temps = res["setting"]["temperatures"]
+    modes = [r["mode"] for r in res["rows"] if r["temperature"] == temps[0] and r["mode"] != "best-fixed"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, key, label in ((axes[0], "tokens_per_step", "tokens per step"),
+                           (axes[1], "speedup_vs_plain_streamed", "speed-up over plain streamed decoding")):
+        width = 0.8 / len(temps)
+        for k, t in enumerate(temps):
+            vals = [next(r[key] for r in res["rows"] if r["mode"] == m and r["temperature"] == t) for m in modes]
+            ax.bar([i + k * width for i in range(len(modes))], vals, width, label=f"T={t:g}")
+        ax.set_xticks([i + width * (len(temps) - 1) / 2 for i in range(len(modes))], modes, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(Path(res["setting"].get("prompts_file", "")).name)
+    fig.tight_layout()
+    path = folder / "suffix_study.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,8 +161,10 @@ def plan_only(target="default", device=None, dtype=None, max_context=None, offlo
     """The placement Engine.load would use, without loading anything (`sequoia-offload plan`).
     The draft (a folder, "default", "self-int8" or "self-int4") is counted as resident on the
     device: a folder in the compute dtype, a self-draft at its quantised size, with its KV caches."""
-    s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens, True, draft,
-               draft_group_size, cache_slots, weights)
+    draft, use_suffix = split_draft(draft)
+    s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
+               max(max_batch_tokens, MAX_PATTERN + 1 if use_suffix else 1), True, draft, draft_group_size, cache_slots,
+               weights)
     return s.plan, s.folder, s.device, s.dtype
 
 

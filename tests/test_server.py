@@ -443,3 +443,46 @@ def test_cors_is_off_by_default_and_on_for_the_origins_given(live):
             assert json.loads(r.read())["id"] == "org/tiny-chat"  # an id with a slash
     finally:
         other.stop()
+
+
+def test_suffix_drafts_keep_one_store_per_api_key_and_per_conversation(tmp_path):
+    """With --draft suffix, a step's latency would tell a client whether earlier text matched, so
+    each API key drafts only from its own earlier requests: the same prompt sent by key A, then by
+    key B, then by A again: B finds nothing in its store and A's second request drafts from A's
+    first. Without keys, each conversation (its opening messages) has its own store; with
+    --suffix-shared everything is pooled. Greedy answers are the same throughout."""
+    folder = make_tiny_checkpoint(tmp_path / "m", "smollm-tied", init_std=0.2)
+    engine = Engine.load(folder, draft="suffix", progress=False)
+    engine.eos_token_ids = frozenset()
+
+    def ask(server, key, messages):
+        status, got = raw((server,), "/v1/chat/completions",
+                          {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 30}, key=key)
+        assert status == 200, got
+        return got["choices"][0]["message"]["content"], got["sequoia"]["suffix"]
+
+    try:
+        server = LiveServer(create_app(engine, MODEL, api_key=["key-a", "key-b"]))
+        try:
+            a1, sa1 = ask(server, "key-a", chat_messages(1))
+            b, sb = ask(server, "key-b", chat_messages(1))
+            a2, sa2 = ask(server, "key-a", chat_messages(1))
+        finally:
+            server.stop()
+        assert a1 == b == a2
+        assert sb["store_matched_steps"] == 0 and sa2["store_matched_steps"] >= 1 and sa2["accepted_tokens"] >= 10
+        for shared in (False, True):
+            engine.suffix_store.clear()
+            server = LiveServer(create_app(engine, MODEL, suffix_shared=shared))
+            try:
+                ask(server, None, chat_messages(2))
+                _, other = ask(server, None, chat_messages(3)[:1] + [{"role": "user", "content": "Another one."},
+                                                                      {"role": "assistant", "content": "Yes."},
+                                                                      chat_messages(2)[1]])
+                _, same = ask(server, None, chat_messages(2))
+            finally:
+                server.stop()
+            assert same["store_matched_steps"] >= 1
+            assert (other["store_matched_steps"] >= 1) == shared, (shared, other)
+    finally:
+        engine.close()

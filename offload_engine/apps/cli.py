@@ -38,7 +38,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--draft", default=None,
                    help="draft kept resident: a checkpoint folder (same tokenizer); 'default' (the embedded "
                         "target's distilled draft); 'self-int8' or 'self-int4' (the target's own layers "
-                        "quantised, sharing its embeddings and head)")
+                        "quantised, sharing its embeddings and head); 'suffix' (no model: continuations of text "
+                        "already seen); or any of the model drafts followed by '+suffix' (both, grafted)")
+    t.add_argument("--suffix-memory", type=int, default=1_000_000,
+                   help="--draft ...suffix: tokens of earlier prompts and outputs kept to draft from (default "
+                        "1,000,000, 4 bytes each; the oldest are forgotten)")
     t.add_argument("--draft-group-size", type=int, default=64,
                    help="self-int4: inputs per quantisation group (default 64)")
     t.add_argument("--tree", default="auto", choices=("auto", "sequoia", "specexec", "specinfer", "chain", "none"),
@@ -101,8 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: the "
+    srv.add_argument("--api-key", action="append", default=None,
+                     help="require 'Authorization: Bearer KEY'; repeatable, one key per client (default: the "
                      "SEQUOIA_OFFLOAD_API_KEY environment variable, else no key)")
+    srv.add_argument("--suffix-shared", action="store_true",
+                     help="--draft ...suffix: let every client draft from every client's earlier text (default: "
+                     "one store per API key, or per conversation without keys, since latency would reveal a match)")
     srv.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one generates; "
                      "more get HTTP 429 (default 16)")
     srv.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
@@ -215,7 +223,8 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                        specinfer_width=args.specinfer_width, acceptance=_acceptance(args.acceptance),
                        draft_group_size=args.draft_group_size, cache_slots=getattr(args, "cache_slots", 1),
-                       weights=args.weights, adapt=getattr(args, "adapt", True), progress=not quiet)
+                       weights=args.weights, adapt=getattr(args, "adapt", True),
+                       suffix_memory=getattr(args, "suffix_memory", 1_000_000), progress=not quiet)
 
 
 def _acceptance(path: str | None):
@@ -241,10 +250,15 @@ def _stats_line(stats: dict) -> str:
             f"{stats['target_passes']} target passes")
     auto = stats.get("auto")
     if auto is None:
-        line += (f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)"
-                 if stats["tree"] != "none" else ", 1 token/step (plain decoding)")
+        line += (", 1 token/step (plain decoding)" if stats["tree"] == "none"
+                 else f", {stats['tokens_per_step']:.2f} tokens/step (suffix trees)" if stats["tree"] == "suffix"
+                 else f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)")
     elif stats["target_steps"]:
         line += f", {stats['tokens_per_step']:.2f} tokens/step, " + _auto_summary(stats, auto)
+    sfx = stats.get("suffix")
+    if sfx:
+        line += (f"; suffix drafts: {sfx['accepted_tokens']} tokens accepted, matched {sfx['matched_steps']} of "
+                 f"{sfx['lookups']} steps ({sfx['store_matched_steps']} from earlier requests)")
     if stats["bytes_streamed"]:
         line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
                  f"stalled {stats['stall_seconds']:.2f} s")
@@ -366,10 +380,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = args.api_key or os.environ.get("SEQUOIA_OFFLOAD_API_KEY") or None
+    if isinstance(api_key, list) and not all(api_key):
+        raise UserError("--api-key must not be empty")
     engine = _load(args)
     name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else display_name(engine.folder))
     try:
-        serve(engine, name, args.host, args.port, api_key, args.max_queue, args.cors_origin)
+        serve(engine, name, args.host, args.port, api_key, args.max_queue, args.cors_origin,
+              suffix_shared=args.suffix_shared)
     finally:
         engine.close()
     return 0
@@ -423,10 +440,19 @@ def tier_change(plan, other) -> str:
     return ", ".join(moves)
 
 
+def _model_draft(draft, command: str):
+    """The model part of a --draft value ("X+suffix": X), for commands that measure a draft model."""
+    from ..speculation.suffix import split_draft
+    model = split_draft(draft)[0]
+    if model is None:
+        raise UserError(f"{command} needs a draft model (--draft): it measures the draft's "
+                        f"{'level time' if command == 'profile' else 'acceptance'} (a suffix draft has none)")
+    return model
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..planning import profiler
-    if args.draft is None:
-        raise UserError("profile needs a draft (--draft): it measures the draft's level time too")
+    args.draft = _model_draft(args.draft, "profile")
     if args.tree == "auto":
         args.tree = "sequoia"  # the profile is what auto needs: load without planning
     engine = _load(args)
@@ -507,6 +533,7 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         params = SamplingParams(args.temperature, args.top_p)
     except ValueError as e:
         raise UserError(str(e)) from None
+    args.draft = _model_draft(args.draft, "acceptance")
     if args.tree == "auto":
         args.tree = "sequoia"  # the measurement picks its own one-level tree: load without planning
     engine = _load(args)

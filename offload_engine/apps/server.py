@@ -14,6 +14,7 @@ answer, so only the new message is prefilled (reported as usage.prompt_tokens_de
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 import sys
@@ -82,6 +83,8 @@ class GenRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    user: str = ""  # OpenAI's end-user id, when the client sends one
+    conversation: str = ""  # a digest of the conversation's opening (and the user)
 
 
 def _optional(body: dict, name: str, check: Callable[[object], bool], what: str, default):
@@ -150,7 +153,11 @@ def _common(body: dict, engine: Engine, model_name: str, ids: list[int], default
         raise bad(f"'{name}' must be between 1 and {room} (the context's {engine.max_context} tokens minus the "
                   f"prompt's {len(ids)}), got {max_tokens}", name,
                   "context_length_exceeded" if max_tokens > room else None)
-    return GenRequest(ids, max_tokens, float(temperature), float(top_p), top_k, seed, stop, stream, include_usage)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("'user' must be a string", "user")
+    return GenRequest(ids, max_tokens, float(temperature), float(top_p), top_k, seed, stop, stream, include_usage,
+                      user or "")
 
 
 def _content_text(content, where: str) -> str:
@@ -195,7 +202,11 @@ def parse_chat(body: dict, engine: Engine, model_name: str) -> GenRequest:
         ids = engine.tokenizer.encode_chat(clean)
     except UserError as e:  # the checkpoint's template refused these messages (e.g. roles out of order)
         raise bad(str(e), "messages") from None
-    return _common(body, engine, model_name, ids, default_max=engine.max_context, prompt_param="messages")
+    req = _common(body, engine, model_name, ids, default_max=engine.max_context, prompt_param="messages")
+    # the conversation: its messages up to the first user message (the same in every later turn)
+    first_user = next((i for i, m in enumerate(clean) if m["role"] == "user"), len(clean) - 1)
+    req.conversation = _digest(req.user, json.dumps(clean[:first_user + 1]))
+    return req
 
 
 def parse_completion(body: dict, engine: Engine, model_name: str) -> GenRequest:
@@ -219,7 +230,16 @@ def parse_completion(body: dict, engine: Engine, model_name: str) -> GenRequest:
     for name, allowed in (("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1))):
         if body.get(name) not in allowed:
             raise bad(f"'{name}' is not supported", name)
-    return _common(body, engine, model_name, ids, default_max=16, prompt_param="prompt")  # 16: OpenAI's default
+    req = _common(body, engine, model_name, ids, default_max=16, prompt_param="prompt")  # 16: OpenAI's default
+    req.conversation = _digest(req.user, json.dumps(ids[:CONVERSATION_TOKENS]))  # its opening tokens
+    return req
+
+
+CONVERSATION_TOKENS = 32  # a completions prompt's conversation: its first tokens (a transcript grows after them)
+
+
+def _digest(user: str, opening: str) -> str:
+    return hashlib.sha256(json.dumps([user, opening]).encode()).hexdigest()
 
 
 # ---- the queue and the worker -------------------------------------------------------------------
@@ -233,6 +253,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
+    key: object = None  # the suffix drafts' store key: the API key's index, or the conversation
 
     def push(self, kind: str, value) -> None:
         try:
@@ -244,8 +265,8 @@ class Job:
 class Scheduler:
     """A bounded FIFO queue in front of one worker thread that owns the engine."""
 
-    def __init__(self, engine: Engine, max_queue: int):
-        self.engine, self.max_queue = engine, max_queue
+    def __init__(self, engine: Engine, max_queue: int, suffix_shared: bool = False):
+        self.engine, self.max_queue, self.suffix_shared = engine, max_queue, suffix_shared
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
@@ -318,6 +339,7 @@ class Scheduler:
 
     def _generate(self, job: Job) -> GenerationResult:
         r = job.request
+        key = None if self.suffix_shared else job.key
 
         def on_token(token_id: int, text: str) -> None:
             if text:
@@ -325,7 +347,7 @@ class Scheduler:
 
         return self.engine.generate(input_ids=r.ids, max_new_tokens=r.max_tokens, temperature=r.temperature,
                                     top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop or None,
-                                    on_token=on_token if r.stream else None, cancel=job.cancel)
+                                    on_token=on_token if r.stream else None, cancel=job.cancel, suffix_key=key)
 
 
 # ---- the app ------------------------------------------------------------------------------------
@@ -343,20 +365,28 @@ def _extra(result: GenerationResult) -> dict:
     return {"tokens_per_second": s["tokens_per_second"], "tokens_per_step": s["tokens_per_step"],
             "target_passes": s["target_passes"], "tree": s["tree"], "prefill_seconds": s["prefill_seconds"],
             "prefilled_tokens": s["prefilled_tokens"],
-            "trees": s["auto"]["trees"] if s.get("auto") else None}  # --tree auto: the trees its steps used
+            "trees": s["auto"]["trees"] if s.get("auto") else None,  # --tree auto: the trees its steps used
+            "suffix": ({k: s["suffix"][k] for k in ("accepted_tokens", "matched_steps", "store_matched_steps")}
+                       if s.get("suffix") else None)}  # --draft ...suffix: what its drafts gave
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               cors_origins: list[str] | None = None):
+def create_app(engine: Engine, model_name: str, api_key: str | list[str] | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE, cors_origins: list[str] | None = None, suffix_shared: bool = False):
     """The FastAPI app serving `engine` as `model_name`; its scheduler is app.state.scheduler.
-    `cors_origins` lets browser pages from those origins call it (none by default)."""
+    `cors_origins` lets browser pages from those origins call it (none by default). `api_key`: one
+    key or several (each client its own). With suffix drafts, each API key (or, with no keys, each
+    conversation) drafts only from its own earlier requests, since a step's latency would tell one
+    client whether another's text matched; `suffix_shared` pools them."""
     if max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if any(not k for k in keys):
+        raise UserError("an API key must not be empty")
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
-        app.state.scheduler = Scheduler(engine, max_queue)
+        app.state.scheduler = Scheduler(engine, max_queue, suffix_shared)
         try:
             yield
         finally:
@@ -385,19 +415,25 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def _validation_error(request, e):
         return error(bad(f"invalid request: {e}"))
 
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
+    def authorize(request: Request) -> int | None:
+        """The index of the request's API key (None when the server has none)."""
+        if not keys:
+            return None
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else ""
         if not given:
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>' (this server was started with "
                            "--api-key)", code="invalid_api_key")
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
+        found = None
+        for i, key in enumerate(keys):  # every key compared, in constant time each
+            if secrets.compare_digest(given.encode(), key.encode()):
+                found = i
+        if found is None:
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
+        return found
 
     async def read_body(request: Request) -> dict:
-        authorize(request)
+        request.state.key_index = authorize(request)
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -438,7 +474,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     async def run(request: Request, req: GenRequest, chat: bool):
         scheduler: Scheduler = request.app.state.scheduler
-        job = Job(req, asyncio.get_running_loop())
+        index = request.state.key_index
+        # suffix drafts' store: per API key (and end user), else per conversation
+        key = ("key", index, req.user) if index is not None else ("conversation", req.conversation)
+        job = Job(req, asyncio.get_running_loop(), key=key)
         if not scheduler.submit(job):
             raise ApiError(429, f"the server is busy: {scheduler.max_queue} requests are already waiting "
                            "(--max-queue); retry shortly", code="queue_full")
@@ -524,12 +563,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     return app
 
 
-def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = DEFAULT_MAX_QUEUE, cors_origins: list[str] | None = None, log_level: str = "info") -> None:
+def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | list[str] | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+          cors_origins: list[str] | None = None, log_level: str = "info", suffix_shared: bool = False) -> None:
     """Run the server until Ctrl-C (`sequoia-offload serve`)."""
     import uvicorn
-    app = create_app(engine, model_name, api_key, max_queue, cors_origins)
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+    app = create_app(engine, model_name, api_key, max_queue, cors_origins, suffix_shared)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"sequoia-offload: warning: serving on {host} without --api-key: anyone who can reach this "
               "machine can use the model", file=sys.stderr)
     print(f"sequoia-offload: serving '{model_name}' at http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)",
