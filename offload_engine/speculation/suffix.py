@@ -237,6 +237,10 @@ class SuffixDrafter:
         self._text[self._len: self._len + len(ids)] = ids
         self._len += len(ids)
 
+    def truncate(self, n: int) -> None:
+        """Forget the text after its first n tokens."""
+        self._len = min(self._len, n)
+
     @property
     def text(self) -> np.ndarray:
         return self._text[: self._len]
