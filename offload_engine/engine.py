@@ -448,7 +448,8 @@ class Engine:
             drafter = SuffixDrafter(ids, self.suffix_store.snapshot(suffix_key), MAX_PATTERN + 1)
         decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
-                                     timed=adaptive, suffix=drafter)
+                                     timed=adaptive, suffix=drafter,
+                                     choose=planner.choose_arm if planner is not None and drafter is not None else None)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -475,7 +476,10 @@ class Engine:
             pending = step.tokens
             if planner is not None:  # the next step's tree, from this step and the ones before
                 times = replace(decoder.last_times, total=decoder.last_times.total + t_emit)
-                nxt = planner.record(decoder.spec, decoder.last_model_verify, times, steps == 1)
+                if decoder.last_proposal is not None and decoder.last_proposal.size > 1:
+                    planner.observe_suffix(decoder.last_proposal, step.tokens)
+                nxt = planner.record(decoder.spec, decoder.last_model_verify, times, steps == 1,
+                                     arm=decoder.last_arm, tokens=len(step.tokens))
                 if nxt is not None:
                     decoder.set_spec(nxt)
         finish = "stop" if eos or stream.stopped else "length"

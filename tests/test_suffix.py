@@ -205,11 +205,26 @@ def test_a_broken_fixed_candidate_rule_fails_the_equality_test(pair, plain, monk
     assert second.token_ids != plain
 
 
+def cycling(arms=("hybrid", "suffix", "model", "hybrid", "hybrid", "suffix")):
+    """A step chooser that runs each arm in turn, whatever it predicts."""
+    state = {"k": 0, "used": []}
+
+    def choose(proposal):
+        arm = arms[state["k"] % len(arms)]
+        state["k"] += 1
+        state["used"].append(arm)
+        return arm
+    choose.used = state["used"]
+    return choose
+
+
+@pytest.mark.parametrize("switching", [False, True], ids=["hybrid", "arms-switching"])
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
 @pytest.mark.parametrize("kind", ["sequoia", "specexec"])
-def test_caches_after_every_hybrid_step_equal_a_fresh_prefill(pair, partial, kind, temperature):
+def test_caches_after_every_hybrid_step_equal_a_fresh_prefill(pair, partial, kind, temperature, switching):
     """The target's cache holds every committed token; the draft's a prefix of them (a grafted
-    node it never ran on is caught up at its next step), each exactly a fresh prefill's K/V."""
+    node it never ran on, or a suffix-only step it sat out, is caught up at its next step), each
+    exactly a fresh prefill's K/V. With `switching`, the steps cycle through the three arms."""
     from offload_engine.speculation.decoder import SpeculativeDecoder
     from sequoia_trees.sampling import SamplingParams
     engine = Engine.load(pair[0], draft=partial, tree=kind, tree_budget=12, tree_depth=4, progress=False)
@@ -220,8 +235,9 @@ def test_caches_after_every_hybrid_step_equal_a_fresh_prefill(pair, partial, kin
     for seed in range(6):
         seen += ids + engine.generate(PROMPT, max_new_tokens=40, temperature=temperature, seed=seed).token_ids + [-1]
     drafter = SuffixDrafter(ids, np.array(seen, dtype=np.int32), 65)
+    choose = cycling() if switching else None
     dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(temperature),
-                             torch.Generator().manual_seed(0), 256, suffix=drafter)
+                             torch.Generator().manual_seed(0), 256, suffix=drafter, choose=choose)
     root = dec.first_token(dec.prefill(ids, 1024))
     seq, lagged = list(ids), 0
     for _ in range(12):
@@ -242,6 +258,8 @@ def test_caches_after_every_hybrid_step_equal_a_fresh_prefill(pair, partial, kin
     assert dec.suffix_accepted >= 1
     if temperature == 0:  # greedy follows the stored continuation: grafted nodes were accepted
         assert lagged >= 1
+    if switching:
+        assert {"hybrid", "suffix", "model"} <= set(choose.used)
 
 
 def test_one_store_key_never_drafts_from_another(pair):
@@ -266,3 +284,95 @@ def test_one_store_key_never_drafts_from_another(pair):
 def test_bad_suffix_arguments(pair):
     with pytest.raises(UserError, match="suffix-memory"):
         Engine.load(pair[0], draft="suffix", suffix_memory=-5, progress=False)
+
+
+# ---- choosing per step: suffix, model, or both (--tree auto) -------------------------------------
+
+def chain(tokens, match_length):
+    n = len(tokens)
+    return suffix.SuffixProposal(tuple(range(-1, n)), (0, *tokens), (1.0,) * (n + 1), match_length, "store")
+
+
+def test_the_suffix_estimate_learns_how_far_the_target_follows_by_match_length():
+    """A simulated target follows a 4-token proposal with hazard 0.9 per level after long matches
+    (8 tokens) and 0.2 after one-token matches; each step's output is cut at a random length (a
+    step shows what it emitted, no more). After 400 steps of each, the expected accepted tokens
+    are within 0.25 of the truth (0.9 + 0.81 + 0.73 + 0.66 = 3.10; 0.2 + 0.04 + ... = 0.25); the
+    evidence (weights fading by 0.98 per observation: about 50 effective) gives a standard error
+    near 0.1 on the first."""
+    from offload_engine.planning.adaptive import SuffixEstimate
+    rng = np.random.default_rng(5)
+    est = SuffixEstimate()
+    truth = {8: 0.9, 1: 0.2}
+    for _ in range(400):
+        for m, h in truth.items():
+            prop = chain([11, 12, 13, 14], m)
+            out = []
+            for tok in (11, 12, 13, 14):
+                out.append(tok if rng.random() < h else 99)
+                if out[-1] == 99:
+                    break
+            if len(out) == 4:
+                out.append(7)  # the bonus after a fully accepted path
+            est.observe(prop, out[: int(rng.integers(1, 6))])  # censored at a random length
+    for m, h in truth.items():
+        want = sum(h ** j for j in range(1, 5))
+        assert abs(est.expected(chain([11, 12, 13, 14], m)) - want) < 0.25, (m, est.expected(chain([1] * 4, m)))
+
+
+def test_the_arm_chosen_is_the_one_predicted_fastest():
+    """Plain decoding chosen (a draft level costs most of a pass), a pass that costs more the wider
+    it is: a proposal the target follows far runs alone ("suffix"); one it rarely follows does not
+    ("model", here plain decoding). With a tree that pays and a cheap draft, a proposal the target
+    follows half the time is grafted on ("hybrid"); one it always follows runs alone."""
+    from offload_engine.planning.adaptive import OnlinePlanner
+    from sequoia_trees.acceptance import AcceptanceVector
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import Candidates, Timings
+    ns = (1, 2, 4, 8, 16, 32)
+    weak = AcceptanceVector((0.2, 0.05))
+    slow_draft = Timings(ns, tuple(1.0 + 0.1 * n for n in ns), (1, 16), (0.9, 0.9))
+    planner = OnlinePlanner(weak, slow_draft, Candidates(weak, [2, 4, 8], 4, TreeTable(weak, 8, 4)))
+    assert planner.begin().kind == "none"
+    for _ in range(200):
+        planner.observe_suffix(chain([1, 2, 3, 4], 8), [1, 2, 3, 4, 5])
+        planner.observe_suffix(chain([1, 2, 3, 4], 1), [9])
+    assert planner.choose_arm(chain([1, 2, 3, 4], 8)) == "suffix"
+    assert planner.choose_arm(chain([1, 2, 3, 4], 1)) == "model"
+    strong = AcceptanceVector((0.8, 0.1))
+    cheap_draft = Timings(ns, tuple(1.0 + 0.001 * n for n in ns), (1, 16), (0.01, 0.01))
+    planner = OnlinePlanner(strong, cheap_draft, Candidates(strong, [2, 4, 8], 4, TreeTable(strong, 8, 4)))
+    assert planner.begin().kind == "sequoia"
+    rng = np.random.default_rng(2)
+    for _ in range(300):  # the target follows the proposal half the time at each level
+        follows = rng.random(4) < 0.5
+        cut = int(np.argmin(follows)) if not follows.all() else 4
+        planner.observe_suffix(chain([1, 2, 3, 4], 12), [1, 2, 3, 4][:cut] + [9])
+    # the model's tree alone and the proposal alone each stop short where the other may go on
+    assert planner.choose_arm(chain([1, 2, 3, 4], 12)) == "hybrid"
+    for _ in range(300):  # the target always follows it: the proposal alone is as good, and cheaper
+        planner.observe_suffix(chain([1, 2, 3, 4], 12), [1, 2, 3, 4, 5])
+    assert planner.choose_arm(chain([1, 2, 3, 4], 12)) == "suffix"
+
+
+def test_greedy_hybrid_auto_with_every_arm_equals_plain_greedy(pair, partial, plain, tmp_path, monkeypatch):
+    """The engine's loop with `--tree auto` and `+suffix`, the planner's choice of arm replaced by
+    one that cycles through all three: the tokens are plain greedy's, in a first request and in a
+    second that drafts from the first's text, and the stats name the arms the steps ran."""
+    import offload_engine.planning.profiler as profiler
+    from offload_engine.planning.adaptive import OnlinePlanner
+    from test_auto_tree import _fake_profile
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine, pass_s=0.05, draft_s=0.01))
+    choose = cycling()
+    monkeypatch.setattr(OnlinePlanner, "choose_arm", lambda self, proposal: choose(proposal))
+    first, second = twice(pair[0], draft=f"{partial}+suffix", tree="auto")
+    assert first.token_ids == plain and second.token_ids == plain
+    labels = set()
+    for r in (first, second):
+        trees = r.stats["auto"]["tree_steps"]
+        assert sum(trees.values()) == r.stats["target_steps"]
+        labels |= set(trees)
+    assert {"hybrid", "suffix", "model"} <= set(choose.used)
+    assert "suffix" in labels and any(label.endswith("+suffix") for label in labels), labels
+    assert second.stats["suffix"]["accepted_tokens"] >= 10

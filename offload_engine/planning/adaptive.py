@@ -27,6 +27,12 @@ PROBE_EVERY plain ones runs the best tree anyway, so that the evidence that woul
 tree back keeps coming; each probe after which plain decoding stays chosen doubles the wait (up
 to PROBE_MAX steps), so that a draft that does not pay costs little.
 
+With suffix drafts grafted on (`--draft X+suffix`), each step also chooses, before it runs, among
+the planner's tree alone ("model": plain decoding when that is the choice), the suffix proposal
+alone ("suffix": no draft levels, the draft catching up later) and both ("hybrid"), by predicted
+seconds per token: the profile's step model for the costs, and for the suffix proposal's worth a
+`SuffixEstimate` by match length, learned from every step's output.
+
 A planner belongs to one request temperature (greedy and sampled requests never share one);
 what it learned carries over from one generation to the next.
 
@@ -48,6 +54,7 @@ from sequoia_trees.optimizer import Candidates, Choice, Timings
 from sequoia_trees.verify import VerifyResult
 
 from ..speculation.decoder import StepTimes, TreeSpec
+from ..speculation.suffix import SuffixProposal
 
 PRIOR_NODES = 8.0  # the prior vector counts as this many observed nodes (at first)
 ACCEPT_FORGET = 0.97  # per tree step: evidence 35 steps old weighs a third
@@ -148,6 +155,70 @@ class TimingEstimate:
                        node_seconds=b.node_seconds * kt, plain_seconds=b.plain_seconds * kt)
 
 
+SUFFIX_BUCKETS = (1, 3, 6, 12)  # match lengths starting each bucket: 1-2, 3-5, 6-11, 12 and more
+SUFFIX_LEVELS = 8  # hazards kept per bucket (deeper levels use the last)
+SUFFIX_PRIOR = (0.5, 2.0)  # each hazard's prior: its mean and weight in observations
+SUFFIX_FORGET = 0.98  # per observation: a bucket follows text that stops (or starts) repeating
+
+
+class SuffixEstimate:
+    """How far the target follows a suffix proposal, by match-length bucket: per level j, the
+    hazard that the target's j-th token is one of the proposal's children at depth j given that
+    its first j-1 tokens followed the proposal. A suffix node is a fixed proposal, so a suffix-only
+    step would accept it exactly when the target's draw is that token: the output of any exact
+    step (plain, model tree, hybrid) shows what a suffix-only step would have accepted, as far as
+    it goes (a level past the step's output is not observed)."""
+
+    def __init__(self):
+        mean, weight = SUFFIX_PRIOR
+        self.hits = [[mean * weight] * SUFFIX_LEVELS for _ in SUFFIX_BUCKETS]
+        self.tries = [[weight] * SUFFIX_LEVELS for _ in SUFFIX_BUCKETS]
+
+    @staticmethod
+    def bucket(match_length: int) -> int:
+        return max(i for i, lo in enumerate(SUFFIX_BUCKETS) if match_length >= lo or i == 0)
+
+    def reach(self, proposal: SuffixProposal) -> list[float]:
+        """The chance that the target follows the proposal to depth 1, 2, ... (its deepest)."""
+        b, out, p = self.bucket(proposal.match_length), [], 1.0
+        for j in range(_depth(proposal)):
+            k = min(j, SUFFIX_LEVELS - 1)
+            p *= self.hits[b][k] / self.tries[b][k]
+            out.append(p)
+        return out
+
+    def expected(self, proposal: SuffixProposal) -> float:
+        """Expected accepted proposal tokens: the sum over its depths of the chance to get that deep."""
+        return sum(self.reach(proposal))
+
+    def observe(self, proposal: SuffixProposal, output: list[int]) -> None:
+        """One step's output tokens (accepted, then the bonus) against the proposal made for it."""
+        b = self.bucket(proposal.match_length)
+        kids: dict[int, dict[int, int]] = {}
+        for i in range(1, proposal.size):
+            kids.setdefault(proposal.parents[i], {})[proposal.tokens[i]] = i
+        node = 0
+        for j, tok in enumerate(output):
+            if node not in kids:  # the proposal ends here
+                break
+            k = min(j, SUFFIX_LEVELS - 1)
+            self.hits[b][k] *= SUFFIX_FORGET
+            self.tries[b][k] *= SUFFIX_FORGET
+            self.tries[b][k] += 1
+            nxt = kids[node].get(tok)
+            if nxt is None:
+                break
+            self.hits[b][k] += 1
+            node = nxt
+
+
+def _depth(proposal: SuffixProposal) -> int:
+    depths = [0] * proposal.size
+    for i in range(1, proposal.size):
+        depths[i] = depths[proposal.parents[i]] + 1
+    return max(depths)
+
+
 def tree_label(n: int, d: int) -> str:
     return "plain" if n == 1 else f"({n},{d})"
 
@@ -210,6 +281,9 @@ class OnlinePlanner:
         self.decode_seconds = 0.0  # measured step time, all generations
         self.replan_seconds = 0.0  # re-planning time, all generations
         self.refill_rate = REFILL_SECONDS_PER_UNIT
+        self.suffix = SuffixEstimate()
+        self._reach_cache: dict = {}
+        self._arm_prediction: tuple[float, float] | None = None  # (seconds, tokens) of a suffix/hybrid step
         self.log = GenerationLog(self.current, base.plain())
 
     @property
@@ -235,29 +309,86 @@ class OnlinePlanner:
     def _evaluate(self, choice: Choice, timings: Timings) -> Choice | None:
         return self.candidates.choice(choice.budget, choice.depth, timings)
 
-    def record(self, spec: TreeSpec, result: VerifyResult, times: StepTimes, first_step: bool) -> TreeSpec | None:
+    def _model_reach(self, c: Choice) -> list[float]:
+        """The chance that a step of the tree `c` accepts at least j nodes, j = 1 .. its depth - 1:
+        the sum of its depth-j nodes' path probabilities (Sequoia's model: a node is reached with
+        the product of its ranks' acceptance probabilities, and the nodes of one depth exclude
+        each other)."""
+        key = (c.budget, c.depth, self._table_vector)
+        if key not in self._reach_cache:
+            probs, tree = self._table_vector.probs, c.tree
+            f = [1.0] * tree.size
+            reach = [0.0] * (tree.levels - 1)
+            for i in range(1, tree.size):
+                r = tree.ranks[i]
+                f[i] = f[tree.parents[i]] * (probs[r] if r < len(probs) else 0.0)
+                reach[tree.depths[i] - 1] += f[i]
+            self._reach_cache = {key: reach}
+        return self._reach_cache[key]
+
+    def choose_arm(self, proposal: SuffixProposal) -> str:
+        """For a step with a suffix proposal: "model" (the planner's tree alone, or plain decoding),
+        "suffix" (the proposal alone) or "hybrid" (the proposal grafted onto the tree), whichever
+        is predicted fastest per token. A hybrid step reaches depth j unless both the model's tree
+        and the proposal stop short of it, taken as independent (an estimate: both follow likely
+        text, so it errs towards the hybrid)."""
+        if not self.adapt:
+            return "hybrid" if self._next().budget > 1 else "suffix"
+        timings = self.timing.timings()
+        c = self._evaluate(self._next(), timings) or self._next()
+        k = proposal.size - 1
+        s_reach = self.suffix.reach(proposal)
+        gain = sum(s_reach)
+        catch_up = timings.draft_factor * timings.draft(1 + round(gain))  # the draft's later catch-up
+        t_suffix = timings.step(1 + k, ())[0] + catch_up
+        options = {"model": (c.seconds_per_step, c.tokens_per_step), "suffix": (t_suffix, 1 + gain)}
+        if c.budget > 1:
+            m_reach = self._model_reach(c)
+            depth = max(len(m_reach), len(s_reach))
+            m_reach, s_reach = m_reach + [0.0] * (depth - len(m_reach)), s_reach + [0.0] * (depth - len(s_reach))
+            tokens = 1 + sum(1 - (1 - a) * (1 - b) for a, b in zip(m_reach, s_reach))
+            extra = max(0.0, timings.target(c.budget + k) - timings.target(c.budget)) + timings.node_seconds * k
+            options["hybrid"] = (c.seconds_per_step + extra, tokens)
+        arm = min(options, key=lambda a: options[a][0] / options[a][1])
+        self._arm_prediction = options[arm] if arm != "model" else None
+        return arm
+
+    def observe_suffix(self, proposal: SuffixProposal, output: list[int]) -> None:
+        if self.adapt:
+            self.suffix.observe(proposal, output)
+
+    def record(self, spec: TreeSpec, result: VerifyResult, times: StepTimes, first_step: bool,
+               arm: str = "model", tokens: int | None = None) -> TreeSpec | None:
         """One step's evidence; the tree for the next step when it differs from `spec`.
         `first_step`: the generation's first (its timing is left out, as is a tree shape's first
-        use: allocations, a graph capture)."""
+        use: allocations, a graph capture). arm: what the step ran (`choose_arm`); a suffix step
+        teaches the timing and acceptance models nothing, a hybrid one the acceptance of the
+        model's nodes (`result`: the model's view); tokens: what the step emitted (default: the
+        result's)."""
         chosen = self._next()
         n = chosen.budget
         predicted = self._evaluate(chosen, self.timing.timings()) or chosen
         log = self.log
-        log.trees[tree_label(chosen.budget, chosen.depth)] += 1
-        log.predicted_seconds += predicted.seconds_per_step
-        log.predicted_tokens += predicted.tokens_per_step
+        label = tree_label(chosen.budget, chosen.depth)
+        log.trees[label if arm == "model" else "suffix" if arm == "suffix" else label + "+suffix"] += 1
+        if arm != "model" and self._arm_prediction is not None:
+            log.predicted_seconds += self._arm_prediction[0]
+            log.predicted_tokens += self._arm_prediction[1]
+        else:
+            log.predicted_seconds += predicted.seconds_per_step
+            log.predicted_tokens += predicted.tokens_per_step
         log.measured_seconds += times.total
-        log.measured_tokens += len(result.accepted) + 1
-        if n == 1:
+        log.measured_tokens += tokens if tokens is not None else len(result.accepted) + 1
+        if n == 1 and arm == "model":
             log.plain_steps += 1
             log.plain_seconds += times.total
         self.decode_seconds += times.total
         if not self.adapt:
             return None
         shape = spec.shape()
-        if n > 1:
+        if n > 1 and arm != "suffix":
             self._observe_path(shape, result)
-        if not first_step and shape in self._seen:
+        if not first_step and shape in self._seen and arm == "model":
             self.timing.observe(n, chosen.level_widths, times)
         self._seen.add(shape)
         self.since_replan += 1

@@ -29,6 +29,7 @@ token -1: it runs through the passes as token 0, is never accepted, and changes 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ from sequoia_trees.verify import VerifyResult, verify_greedy_argmax, verify_stoc
 from ..runtime.draft_graphs import StaticLevels
 from ..runtime.kv_cache import KVCache
 from ..runtime.model import Transformer
-from .suffix import SuffixDrafter, graft
+from .suffix import SuffixDrafter, SuffixProposal, graft
 
 TREE_KINDS = ("sequoia", "specexec", "specinfer", "chain", "none")
 # How stochastic verification runs: "walk" on the host (cheapest where logits already are there),
@@ -268,12 +269,15 @@ class SpeculativeDecoder:
     draft model each step's tree is its proposal (a one-node tree when nothing matched); with one,
     its paths are grafted onto the model's tree, after the model's children of each node. Its nodes
     are fixed proposals in verification; a grafted node has no draft K/V, so the draft catches up
-    on an accepted one at its next step."""
+    on an accepted one at its next step. choose(proposal): for a step with a proposal, "model" (the
+    spec's tree alone), "suffix" (the proposal alone: the draft sits the step out) or "hybrid"
+    (`OnlinePlanner.choose_arm`); without it, hybrid when there is a draft model."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
                  verify: str = "auto", draft_graphs: str = "auto", max_nodes: int | None = None,
-                 timed: bool = False, suffix: SuffixDrafter | None = None):
+                 timed: bool = False, suffix: SuffixDrafter | None = None,
+                 choose: Callable[[SuffixProposal], str] | None = None):
         if spec.kind == "none" and max_nodes is None:
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         if verify not in VERIFY_MODES:
@@ -287,6 +291,8 @@ class SpeculativeDecoder:
         self.graft_room = suffix.max_nodes - 1 if suffix is not None else 0  # nodes a proposal may add
         self.suffix_accepted = 0  # accepted tokens that were suffix nodes
         self.last_model_verify: VerifyResult | None = None  # the last step's verification, model nodes only
+        self.choose = choose
+        self.last_arm, self.last_proposal = "model", None  # what the last step ran, and its suffix proposal
         self.timed = timed
         self.last_times = StepTimes(0.0, 0.0, 0.0)
         self.chunk = 256  # set by prefill
@@ -379,19 +385,26 @@ class SpeculativeDecoder:
     def step(self, root: int) -> StepResult:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
         t0 = time.perf_counter()
-        if self.draft is not None and len(self.seqs[1].tokens) < len(self.seqs[0].tokens):
+        proposal = self.suffix.propose(root) if self.suffix is not None else None
+        arm = "model"
+        if proposal is not None and proposal.size > 1:
+            arm = (self.choose(proposal) if self.choose is not None
+                   else "suffix" if self.draft is None else "hybrid")
+        self.last_arm, self.last_proposal = arm, proposal
+        drafting = self.draft is not None and arm != "suffix"
+        t_caught = t_choose = time.perf_counter()
+        if drafting and len(self.seqs[1].tokens) < len(self.seqs[0].tokens):
             self._catch_up_draft()
             if self.timed and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        t_caught = time.perf_counter()
-        proposal = self.suffix.propose(root) if self.suffix is not None else None
+            t_caught = time.perf_counter()
         fixed: frozenset[int] = frozenset()
-        if self.draft is None and proposal is not None and proposal.size > 1:  # a suffix tree alone
+        if arm == "suffix":  # a suffix tree alone
             parents, draft_probs = proposal.parents, None
             tokens = torch.tensor(proposal.tokens, device=self.device)
             mask, depths = _host_mask(parents, self.device)
             fixed = frozenset(range(1, len(parents)))
-        elif self.draft is None:
+        elif not drafting:
             parents, tokens, draft_probs = (-1,), torch.tensor([root], device=self.device), None
             mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
             depths = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -403,10 +416,10 @@ class SpeculativeDecoder:
             n = len(tree)
             parents, tokens = tuple(tree.parents), torch.tensor(tree.tokens, device=self.device)
             mask, depths = tree.mask[:n, :n], torch.tensor(tree.depths, device=self.device)
-        n_model = len(parents)  # the nodes the draft model ran on (the rest are grafted)
-        if self.draft is not None and proposal is not None and proposal.size > 1 and self.graft_room:
+        n_model = len(parents) if drafting else 0  # the nodes the draft model ran on (the rest are grafted)
+        if drafting and arm == "hybrid" and self.graft_room:
             parents, tokens, mask, depths, fixed = self._graft(parents, tokens, mask, depths, proposal)
-        if self.timed and self.draft is not None and self.device.type == "cuda":
+        if self.timed and drafting and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs, fixed)
@@ -419,19 +432,19 @@ class SpeculativeDecoder:
         self.suffix_accepted += sum(1 for i in result.accepted if i in fixed)
         # the model's nodes on the path come first: a grafted node's descendants are all grafted
         on_model = next((k for k, i in enumerate(path) if i >= n_model), len(path))
-        if on_model == len(path):
+        if on_model == len(path) or not drafting:
             self.last_model_verify = result
         else:  # the model's view: its children at the first grafted node's parent were all rejected
             self.last_model_verify = VerifyResult(result.accepted[:on_model - 1], host_tokens[path[on_model]],
                                                   result.accepted_ranks[:on_model - 1])
-        if self.draft is not None:
+        if drafting:  # (a step without the draft: it catches up at its next one)
             dbase = self.draft_cache.length - n_model  # the tree's slots follow the committed ones
             self.draft_cache.truncate(dbase)
             self.draft_cache.commit([dbase + i for i in path[:on_model]])
             self.seqs[1].tokens.extend(kept[:on_model])  # (the rest: caught up at the next step)
         if self.suffix is not None:
             self.suffix.extend(kept)
-        self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0, t_caught - t0)
+        self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0, t_caught - t_choose)
         return StepResult(kept[1:] + [result.bonus_token], result)
 
     def _graft(self, parents, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor, proposal):
