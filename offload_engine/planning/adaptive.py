@@ -212,6 +212,16 @@ class SuffixEstimate:
             node = nxt
 
 
+def _pass(timings: Timings, n: int) -> float:
+    """The target's pass over n tokens, extrapolated along the last measured slope past the
+    widest measured pass (a grafted proposal can widen the tree past it)."""
+    xs, ys = timings.target_tokens, timings.target_seconds
+    if n <= xs[-1]:
+        return timings.target(n)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    return ys[-1] + max(0.0, slope) * (n - xs[-1])
+
+
 def _depth(proposal: SuffixProposal) -> int:
     depths = [0] * proposal.size
     for i in range(1, proposal.size):
@@ -340,14 +350,15 @@ class OnlinePlanner:
         s_reach = self.suffix.reach(proposal)
         gain = sum(s_reach)
         catch_up = timings.draft_factor * timings.draft(1 + round(gain))  # the draft's later catch-up
-        t_suffix = timings.step(1 + k, ())[0] + catch_up
+        t_pass = _pass(timings, 1 + k)
+        t_suffix = max(0.25 * t_pass, t_pass + timings.step_seconds + timings.node_seconds * (1 + k)) + catch_up
         options = {"model": (c.seconds_per_step, c.tokens_per_step), "suffix": (t_suffix, 1 + gain)}
         if c.budget > 1:
             m_reach = self._model_reach(c)
             depth = max(len(m_reach), len(s_reach))
             m_reach, s_reach = m_reach + [0.0] * (depth - len(m_reach)), s_reach + [0.0] * (depth - len(s_reach))
             tokens = 1 + sum(1 - (1 - a) * (1 - b) for a, b in zip(m_reach, s_reach))
-            extra = max(0.0, timings.target(c.budget + k) - timings.target(c.budget)) + timings.node_seconds * k
+            extra = max(0.0, _pass(timings, c.budget + k) - _pass(timings, c.budget)) + timings.node_seconds * k
             options["hybrid"] = (c.seconds_per_step + extra, tokens)
         arm = min(options, key=lambda a: options[a][0] / options[a][1])
         self._arm_prediction = options[arm] if arm != "model" else None
