@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> dict:
                 e.close()
     for t in temps:  # the best fixed choice in hindsight: plain or a fixed Sequoia tree, on these prompts
         fixed = [r for r in rows if r["temperature"] == t and r["kind"] in ("none", "sequoia")
-                 and r["mode"] != "plain-resident"]
+                 and r["mode"] != "plain-resident" and "suffix_accepted_tokens" not in r]  # (model trees only)
         best = min(fixed, key=lambda r: r["seconds_per_token"])
         rows.append({**best, "mode": "best-fixed", "best_fixed_mode": best["mode"]})
     for row in rows:  # computed from the tokens, after the baseline has run

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     rng, vocab = np.random.default_rng(0), 49152
     store = SuffixStore(args.tokens)
     while store.tokens < 0.999 * args.tokens:
-        store.add("k", (rng.zipf(1.3, int(rng.integers(200, 800))) % vocab).tolist())
+        store.add("k", [], (rng.zipf(1.3, int(rng.integers(200, 800))) % vocab).tolist())
     snap = store.snapshot("k")
     drafter = SuffixDrafter((rng.zipf(1.3, 500) % vocab).tolist(), snap, 65)
     t0, matched = time.perf_counter(), 0

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             keys.append(engine.suffix_store.keys())
             if i + 1 == 50:
                 rss["after_warmup_mib"] = rss_mib()
+            if (i + 1) % 100 == 0:
+                print(f"{i + 1} requests: store {sizes[-1]} tokens in {keys[-1]} keys, RSS {rss_mib():.0f} MiB, "
+                      f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         rss["end_mib"] = rss_mib()
     finally:
         server.should_exit = True

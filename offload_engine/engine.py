@@ -400,8 +400,8 @@ class Engine:
         longest prefix shared with the previous generation's tokens is reused (`prefix_cache`).
         Setting `cancel` from another thread stops the generation at the next layer boundary
         with GenerationCancelled. With suffix drafts, `suffix_key` names the store of earlier
-        requests this one drafts from and adds to (the server keeps one per API key or
-        conversation, so that one client's text never speeds up, or is revealed to, another's)."""
+        requests this one drafts from and adds to (the server keeps one per API key, or per
+        conversation without keys, so that one client's text does not speed up another's)."""
         try:
             params = SamplingParams(temperature, top_p, top_k)
         except ValueError as e:
@@ -486,7 +486,7 @@ class Engine:
         seconds = time.perf_counter() - start
         suffix_stats = None
         if drafter is not None:  # this request's new text joins its key's store
-            self.suffix_store.add(suffix_key, ids[decoder.reused_tokens:] + new)
+            self.suffix_store.add(suffix_key, ids, new)
             suffix_stats = {**drafter.stats(), "accepted_tokens": decoder.suffix_accepted,
                             "store_total_tokens": self.suffix_store.tokens}
         stats = {"prompt_tokens": len(ids), "cached_prompt_tokens": decoder.reused_tokens,

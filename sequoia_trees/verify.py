@@ -11,9 +11,13 @@ distribution. SpecInfer's rule (children drawn with replacement) keeps Q unchang
 A *fixed* candidate (a suffix draft's continuation, `offload_engine.speculation.suffix`) is a
 proposal with all its probability on its own token: it is accepted with probability R[t], and on
 rejection R loses t (R <- norm(R with R[t] = 0)) while Q stays as it was (the model's draws did
-not depend on it). Fixed and drawn candidates may be mixed under one node in any order fixed
-before the target is read; each test is the same recursive rejection step with that candidate's
-own proposal, so the emitted token still has exactly the distribution R it started from.
+not depend on it). Under a node the drawn candidates (its drawn children, then the draws left
+out of a best-first tree) are tested first, in draw order, then its fixed children: each test is
+then the same recursive rejection step with that candidate's own proposal (a draw's, given the
+draws before it; a fixed one's, given all the draws), so the emitted token still has exactly the
+distribution R it started from. (Fixed candidates before some draws would not do: which draws a
+best-first tree keeps depends on their tokens, so a draw tested after a fixed candidate would no
+longer be distributed as Q given what was tested before it.)
 """
 
 from __future__ import annotations
@@ -67,8 +71,10 @@ def verify_stochastic(parents, tokens: torch.Tensor, target_probs: torch.Tensor,
     while True:
         residual = target_probs[node].double()
         step = None
-        candidates = [(int(tokens[c]), c) for c in kids.get(node, []) if int(tokens[c]) >= 0]  # -1: never drawn
+        children = [c for c in kids.get(node, []) if int(tokens[c]) >= 0]  # -1: never drawn
+        candidates = [(int(tokens[c]), c) for c in children if c not in fixed]
         candidates += [(t, None) for t in (extra_draws or {}).get(node, [])]
+        candidates += [(int(tokens[c]), c) for c in children if c in fixed]  # after every draw
         drawn = any(child is None or child not in fixed for _, child in candidates)
         q = draft_probs[node].double().clone() if drawn else None  # (a leaf, or fixed children only: no row)
         exhausted = False  # the draft's support ran out: its later draws never happened
@@ -140,12 +146,14 @@ def verify_stochastic_table(parents, tokens: torch.Tensor, target_probs: torch.T
     child_ix = torch.full((len(nodes), width), -1, dtype=torch.long)  # tree node of each candidate
     extra_tok = torch.full((len(nodes), width), -1, dtype=torch.long)  # token of an extra draw
     det = torch.zeros((len(nodes), width), dtype=torch.long)  # 1: a fixed proposal
-    for row, n in enumerate(nodes):
+    for row, n in enumerate(nodes):  # columns: drawn children, extra draws, fixed children
         ch, ex = kids.get(n, []), extra.get(n, [])
-        child_ix[row, :len(ch)] = torch.tensor(ch, dtype=torch.long)
-        extra_tok[row, len(ch):len(ch) + len(ex)] = torch.tensor(ex, dtype=torch.long)
-        if fixed:
-            det[row, :len(ch)] = torch.tensor([c in fixed for c in ch], dtype=torch.long)
+        drawn, fx = [c for c in ch if c not in fixed], [c for c in ch if c in fixed]
+        child_ix[row, :len(drawn)] = torch.tensor(drawn, dtype=torch.long)
+        extra_tok[row, len(drawn):len(drawn) + len(ex)] = torch.tensor(ex, dtype=torch.long)
+        at = len(drawn) + len(ex)
+        child_ix[row, at:at + len(fx)] = torch.tensor(fx, dtype=torch.long)
+        det[row, at:at + len(fx)] = 1
     index = torch.cat([child_ix.flatten(), extra_tok.flatten(), torch.tensor(nodes, dtype=torch.long), det.flatten()])
     if dev.type == "cuda":  # one pinned, asynchronous copy (a pageable one would wait for the stream)
         index = index.pin_memory().to(dev, non_blocking=True)

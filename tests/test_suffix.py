@@ -93,7 +93,7 @@ def test_the_store_keeps_under_its_cap_forgets_the_oldest_and_keeps_keys_apart()
     for i in range(300):
         ids = rng.integers(0, 50, int(rng.integers(1, 40))).tolist()
         key = ("a", "b", None)[i % 3]
-        store.add(key, ids)
+        store.add(key, [], ids)
         added.append((key, ids))
         assert store.tokens <= 100
     # what is left: the newest sequences, whole, in order, per key
@@ -109,10 +109,25 @@ def test_the_store_keeps_under_its_cap_forgets_the_oldest_and_keeps_keys_apart()
         assert store.snapshot(key).tolist() == want
     assert store.snapshot("never").size == 0
     big = SuffixStore(capacity=10)
-    big.add("k", list(range(25)))  # one sequence over the cap keeps its last tokens
+    big.add("k", [], list(range(25)))  # one sequence over the cap keeps its last tokens
     assert big.snapshot("k").tolist() == list(range(15, 25)) + [-1]
     with pytest.raises(ValueError):
         SuffixStore(-1)
+
+
+def test_the_store_adds_only_what_a_conversation_has_not_stored_yet():
+    """Turn 2's prompt repeats turn 1's prompt and answer: only its new tokens are stored, and they
+    continue the stored text (no separator), so a match can run across the turns; another
+    conversation under the same key is stored whole, after a separator."""
+    store = SuffixStore(100)
+    store.add("k", [1, 2, 3], [4, 5])
+    store.add("k", [1, 2, 3, 4, 5, 6, 7], [8, 9])
+    assert store.tokens == 9 and store.snapshot("k").tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, -1]
+    store.add("k", [1, 2, 30], [31])  # shares [1, 2] only: the rest is new, not a continuation
+    assert store.snapshot("k").tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, -1, 30, 31, -1]
+    assert store.tokens == 11
+    store.add("other", [1, 2, 3], [])  # keys never share
+    assert store.snapshot("other").tolist() == [1, 2, 3, -1]
 
 
 def test_graft_adds_only_paths_the_model_did_not_propose():
@@ -281,9 +296,18 @@ def test_one_store_key_never_drafts_from_another(pair):
     assert a2.stats["target_steps"] < b.stats["target_steps"]
 
 
-def test_bad_suffix_arguments(pair):
+def test_bad_suffix_arguments(pair, capsys):
+    from offload_engine.apps.cli import main
     with pytest.raises(UserError, match="suffix-memory"):
         Engine.load(pair[0], draft="suffix", suffix_memory=-5, progress=False)
+    for bad in ("+suffix", " +suffix", "suffix+suffix", "default+suffix+suffix"):
+        with pytest.raises(UserError, match="before '\\+suffix'"):
+            Engine.load(pair[0], draft=bad, progress=False)
+    assert main(["plan", "--target", str(pair[0]), "--draft", "+suffix"]) == 2
+    assert main(["profile", "--target", str(pair[0]), "--draft", "suffix"]) == 2
+    err = capsys.readouterr().err
+    assert "name a draft model before '+suffix'" in err and "profile needs a draft model" in err
+    assert "Traceback" not in err
 
 
 # ---- choosing per step: suffix, model, or both (--tree auto) -------------------------------------

@@ -442,25 +442,59 @@ def fixed_tree(pair: ToyPair, prefix: tuple[int, ...], g: torch.Generator, hybri
     return tuple(parents), torch.tensor(tokens), P, Q, frozenset(fixed)
 
 
-def first_two_fixed(pair, g, hybrid: bool, broken: bool = False, table: bool = False) -> int:
+def fixed_best_first_tree(pair: ToyPair, prefix: tuple[int, ...], g: torch.Generator):
+    """A best-first tree (which draws it keeps depends on their tokens, the rest become extra
+    draws) with two fixed guesses grafted under the root and one under each of those, as
+    `suffix.graft` adds them: after the model's nodes, skipping a token the root already has."""
+    parents, tokens, P, Q, extra = best_first_tree(pair, prefix, g, budget=6, depth=3, width=3)
+    parents, tokens = list(parents), tokens.tolist()
+    prefixes = {0: prefix}
+    for i in range(1, len(parents)):
+        prefixes[i] = prefixes[parents[i]] + (tokens[i],)
+    fixed, rows_p = set(), []
+    at_root = {tokens[i] for i in range(1, len(parents)) if parents[i] == 0}
+    for t in [t for t in _fixed_guess(prefix, 2) if t not in at_root]:
+        parents.append(0)
+        tokens.append(t)
+        node = len(parents) - 1
+        prefixes[node] = prefix + (t,)
+        fixed.add(node)
+        u = _fixed_guess(prefixes[node], 1)[0]
+        parents.append(node)
+        tokens.append(u)
+        prefixes[len(parents) - 1] = prefixes[node] + (u,)
+        fixed.add(len(parents) - 1)
+    n_old = P.shape[0]
+    if len(parents) > n_old:
+        P = torch.cat([P, torch.stack([pair.probs(prefixes[i])[0] for i in range(n_old, len(parents))])])
+        Q = torch.cat([Q, torch.zeros(len(parents) - n_old, V)])
+    return tuple(parents), torch.tensor(tokens), P, Q, extra, frozenset(fixed)
+
+
+def first_two_fixed(pair, g, hybrid: bool, broken: bool = False, table: bool = False,
+                    best_first: bool = False) -> int:
     from sequoia_trees.verify import verify_stochastic_table
     out: list[int] = []
     while len(out) < 2:
-        parents, tokens, P, Q, fixed = fixed_tree(pair, tuple(out), g, hybrid)
+        extra = None
+        if best_first:
+            parents, tokens, P, Q, extra, fixed = fixed_best_first_tree(pair, tuple(out), g)
+        else:
+            parents, tokens, P, Q, fixed = fixed_tree(pair, tuple(out), g, hybrid)
         if broken:  # the bug: fixed nodes verified as if the draft had drawn them from Q
             r = verify_stochastic(parents, tokens, P, Q, g)
         elif table:
-            r = verify_stochastic_table(parents, tokens, P, Q if hybrid else None, g, fixed=fixed)
+            r = verify_stochastic_table(parents, tokens, P, Q if hybrid else None, g, extra_draws=extra, fixed=fixed)
         else:
-            r = verify_stochastic(parents, tokens, P, Q if hybrid else None, g, fixed=fixed)
+            r = verify_stochastic(parents, tokens, P, Q if hybrid else None, g, extra_draws=extra, fixed=fixed)
         out += [int(tokens[i]) for i in r.accepted] + [r.bonus_token]
     return out[0] * V + out[1]
 
 
-def _fixed_stream(params, pair_seed, hybrid, n, seed, broken=False, table=False):
+def _fixed_stream(params, pair_seed, hybrid, n, seed, broken=False, table=False, best_first=False):
     torch.set_num_threads(1)
     pair, g = ToyPair(params, seed=pair_seed), torch.Generator().manual_seed(seed)
-    return np.array([first_two_fixed(pair, g, hybrid, broken, table) for _ in range(n)])
+    return np.array([first_two_fixed(pair, g, hybrid, broken, table, best_first) for _ in range(n)])
 
 
 # the broken rule's effect size on the suffix fixture, measured with 4,000 samples over the cells a
@@ -468,12 +502,15 @@ def _fixed_stream(params, pair_seed, hybrid, n, seed, broken=False, table=False)
 FIXED_W = 4.6
 
 
-@pytest.mark.parametrize("hybrid,table,temperature", [(False, False, 1.0), (True, False, 0.6), (True, True, 1.0)],
-                         ids=["suffix", "hybrid", "hybrid-table"])
-def test_fixed_proposals_keep_the_target_distribution(hybrid, table, temperature, pool):
-    """Suffix-only and hybrid trees: same test, threshold and power as the other kinds."""
+@pytest.mark.parametrize("hybrid,table,best_first,temperature",
+                         [(False, False, False, 1.0), (True, False, False, 0.6), (True, True, False, 1.0),
+                          (True, False, True, 1.0), (True, True, True, 0.6)],
+                         ids=["suffix", "hybrid", "hybrid-table", "hybrid-best-first", "hybrid-best-first-table"])
+def test_fixed_proposals_keep_the_target_distribution(hybrid, table, best_first, temperature, pool):
+    """Suffix-only and hybrid trees (static, and best-first with its extra draws, whose kept
+    prefix depends on the tokens drawn): same test, threshold and power as the other kinds."""
     pair = ToyPair(SamplingParams(temperature, 1.0), seed=31)
-    jobs = [pool.submit(_fixed_stream, pair.params, pair.seed, hybrid, m, 77 + i, False, table)
+    jobs = [pool.submit(_fixed_stream, pair.params, pair.seed, hybrid, m, 77 + i, False, table, best_first)
             for i, m in enumerate(shares(SAMPLES))]
     samples = np.concatenate([j.result() for j in jobs])
     assert chi_square_p(samples, exact_first_two(pair)) > ALPHA
@@ -518,3 +555,37 @@ def test_the_table_verifier_gives_the_walk_verifiers_results_with_fixed_nodes():
                                         fixed=fixed)
         assert table == walk, (parents, tokens, extra, fixed)
         checked += 1
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["walk", "table"])
+def test_fixed_candidates_are_tested_after_every_draw_of_their_node(table):
+    """Where a best-first tree keeps a draw depends on its token: here one draw d from Q is kept
+    as a child only when Q[d] >= 0.2 (else it is an extra draw), and the fixed token 1 is grafted
+    unless d is 1. Tested after the draw, the first token has exactly P's distribution; tested
+    before an extra draw (the order a cold review caught), token 1 comes out with probability
+    0.24 instead of 0.20 (w = 0.106 on 3 degrees of freedom: SAMPLES = 6,000 detect it with
+    probability ~1, noncentrality 67 against a critical value of 21). Chi-square, p > 1e-4."""
+    from sequoia_trees.verify import verify_stochastic_table
+    P = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    Q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    g = torch.Generator().manual_seed(41)
+    firsts = []
+    verify = verify_stochastic_table if table else verify_stochastic
+    for _ in range(SAMPLES):
+        d = int(torch.multinomial(Q, 1, generator=g))
+        kept = Q[d] >= 0.2
+        parents, tokens, extra = [-1], [0], {0: [] if kept else [d]}
+        if kept:
+            parents.append(0)
+            tokens.append(d)
+        fixed = set()
+        if not (kept and d == 1):
+            parents.append(0)
+            tokens.append(1)
+            fixed.add(len(parents) - 1)
+        n = len(parents)
+        r = verify(tuple(parents), torch.tensor(tokens), P.expand(n, -1), Q.expand(n, -1), g,
+                   extra_draws=extra, fixed=frozenset(fixed))
+        firsts.append(tokens[r.accepted[0]] if r.accepted else r.bonus_token)
+    counts = np.bincount(firsts, minlength=4)
+    assert stats.chisquare(counts, np.array([0.1, 0.2, 0.3, 0.4]) * SAMPLES).pvalue > 1e-4, counts

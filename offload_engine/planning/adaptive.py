@@ -326,6 +326,8 @@ class OnlinePlanner:
         each other)."""
         key = (c.budget, c.depth, self._table_vector)
         if key not in self._reach_cache:
+            if len(self._reach_cache) > 16:
+                self._reach_cache.clear()
             probs, tree = self._table_vector.probs, c.tree
             f = [1.0] * tree.size
             reach = [0.0] * (tree.levels - 1)
@@ -333,7 +335,7 @@ class OnlinePlanner:
                 r = tree.ranks[i]
                 f[i] = f[tree.parents[i]] * (probs[r] if r < len(probs) else 0.0)
                 reach[tree.depths[i] - 1] += f[i]
-            self._reach_cache = {key: reach}
+            self._reach_cache[key] = reach
         return self._reach_cache[key]
 
     def choose_arm(self, proposal: SuffixProposal) -> str:
@@ -359,6 +361,8 @@ class OnlinePlanner:
             m_reach, s_reach = m_reach + [0.0] * (depth - len(m_reach)), s_reach + [0.0] * (depth - len(s_reach))
             tokens = 1 + sum(1 - (1 - a) * (1 - b) for a, b in zip(m_reach, s_reach))
             extra = max(0.0, _pass(timings, c.budget + k) - _pass(timings, c.budget)) + timings.node_seconds * k
+            # the draft catches up on grafted nodes accepted where its own were not
+            extra += catch_up * max(0.0, 1.0 - (m_reach[0] if m_reach else 0.0))
             options["hybrid"] = (c.seconds_per_step + extra, tokens)
         arm = min(options, key=lambda a: options[a][0] / options[a][1])
         self._arm_prediction = options[arm] if arm != "model" else None
@@ -401,7 +405,8 @@ class OnlinePlanner:
             self._observe_path(shape, result)
         if not first_step and shape in self._seen and arm == "model":
             self.timing.observe(n, chosen.level_widths, times)
-        self._seen.add(shape)
+        if arm != "suffix":  # (a suffix step never ran the tree: its first use is still to come)
+            self._seen.add(shape)
         self.since_replan += 1
         was_probing, self.probing = self.probing, False
         if self.current.budget == 1:

@@ -384,7 +384,7 @@ class SpeculativeDecoder:
 
     def step(self, root: int) -> StepResult:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         proposal = self.suffix.propose(root) if self.suffix is not None else None
         arm = "model"
         if proposal is not None and proposal.size > 1:
@@ -392,7 +392,7 @@ class SpeculativeDecoder:
                    else "suffix" if self.draft is None else "hybrid")
         self.last_arm, self.last_proposal = arm, proposal
         drafting = self.draft is not None and arm != "suffix"
-        t_caught = t_choose = time.perf_counter()
+        t_caught = t0 = time.perf_counter()  # (the draft's part starts after the lookup)
         if drafting and len(self.seqs[1].tokens) < len(self.seqs[0].tokens):
             self._catch_up_draft()
             if self.timed and self.device.type == "cuda":
@@ -444,7 +444,7 @@ class SpeculativeDecoder:
             self.seqs[1].tokens.extend(kept[:on_model])  # (the rest: caught up at the next step)
         if self.suffix is not None:
             self.suffix.extend(kept)
-        self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0, t_caught - t_choose)
+        self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t_start, t_caught - t0)
         return StepResult(kept[1:] + [result.bonus_token], result)
 
     def _graft(self, parents, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor, proposal):

@@ -19,8 +19,9 @@ The structure is a flat token array per source (int32, -1 between sequences), se
 vectorized scan that narrows the occurrences of the last token one token further back at a time
 (`longest_match`). A pointer-based suffix tree in Python costs a hundred bytes or more per node
 and up to MAX_PATTERN nodes per token; the array costs 4 bytes a token, so `--suffix-memory`
-(in tokens) is the memory it takes, and a lookup over a million stored tokens takes about a
-millisecond (docs/suffix-drafts.md), next to a target pass of hundreds of milliseconds to seconds.
+(in tokens) is the memory it takes, and a lookup over a million stored tokens takes a few
+milliseconds (benchmarks/suffix_lookup.py), next to a target pass of hundreds of milliseconds to
+seconds.
 
 Exactness: every node of a suffix tree is a fixed proposal (all its probability on its own
 token), decided before the target is read; `sequoia_trees.verify` accepts it with the residual
@@ -48,13 +49,18 @@ SUFFIX = "suffix"  # the --draft name, alone or after a model draft's: "default+
 
 def split_draft(draft) -> tuple[str | None, bool]:
     """(model draft, suffix?) of a --draft value: "suffix" -> (None, True); "X+suffix" -> (X, True)."""
+    from ..errors import UserError
     if draft is None:
         return None, False
     text = str(draft)
     if text == SUFFIX:
         return None, True
     if text.endswith("+" + SUFFIX):
-        return text[: -len(SUFFIX) - 1], True
+        model = text[: -len(SUFFIX) - 1]
+        if not model.strip() or model == SUFFIX or model.endswith("+" + SUFFIX):
+            raise UserError(f"--draft {text}: name a draft model before '+suffix' (a folder, 'default', "
+                            "'self-int8' or 'self-int4'), or give 'suffix' alone")
+        return model, True
     return draft, False
 
 
@@ -158,50 +164,68 @@ def propose(text: np.ndarray, pattern: np.ndarray, root: int, max_nodes: int, so
 
 class SuffixStore:
     """Earlier requests' prompts and outputs, per key (an API key, a conversation, or one shared
-    key), at most `capacity` tokens across all keys: the oldest sequences are forgotten first.
-    Thread-safe; `snapshot(key)` is the flat array a request searches (taken once per request)."""
+    key), at most `capacity` tokens across all keys (4 bytes each): the oldest sequences are
+    forgotten first. A request's prompt usually repeats its conversation's earlier turns, which
+    the key already holds: only the rest is added, and it continues the stored text (no separator
+    between them). Thread-safe; `snapshot(key)` is a copy a request searches (taken once per
+    request, freed with it)."""
 
     def __init__(self, capacity: int = DEFAULT_MEMORY):
         if capacity < 0:
             raise ValueError(f"the suffix store's capacity must be >= 0 tokens, got {capacity}")
         self.capacity = capacity
-        self._seqs: dict[object, deque[tuple[int, np.ndarray]]] = {}
+        # per key: (serial, tokens, continues the sequence before it)
+        self._seqs: dict[object, deque[tuple[int, np.ndarray, bool]]] = {}
         self._order: deque[tuple[int, object]] = deque()  # (serial, key), oldest first
         self._serial = itertools.count()
-        self._flat: dict[object, np.ndarray] = {}
         self.tokens = 0
         self._lock = threading.Lock()
 
-    def add(self, key, ids: list[int]) -> None:
-        """One sequence (a prompt and its output) for `key`; the oldest go while over capacity."""
-        if not ids or self.capacity == 0:
+    def add(self, key, prompt: list[int], output: list[int] = ()) -> None:
+        """One request's text for `key`: the prompt's tokens past what the key's stored text
+        already begins with (earlier turns of the same conversation), then the output; the
+        oldest sequences go while over capacity."""
+        if self.capacity == 0:
             return
-        arr = np.asarray(ids[-self.capacity:], dtype=np.int32)
         with self._lock:
+            seqs = self._seqs.get(key)
+            shared = 0
+            if seqs:
+                held = np.concatenate([a for _, a, _ in seqs])
+                n = min(len(held), len(prompt))
+                diff = np.flatnonzero(held[:n] != np.asarray(prompt[:n], dtype=np.int32))
+                shared = int(diff[0]) if len(diff) else n
+            ids = list(prompt[shared:]) + list(output)
+            if not ids:
+                return
+            continues = bool(seqs) and shared == sum(len(a) for _, a, _ in seqs)
+            arr = np.asarray(ids[-self.capacity:], dtype=np.int32)
             serial = next(self._serial)
-            self._seqs.setdefault(key, deque()).append((serial, arr))
+            self._seqs.setdefault(key, deque()).append((serial, arr, continues and len(arr) == len(ids)))
             self._order.append((serial, key))
             self.tokens += len(arr)
-            self._flat.pop(key, None)
             while self.tokens > self.capacity:
                 _, old_key = self._order.popleft()
-                _, old = self._seqs[old_key].popleft()
+                _, old, _ = self._seqs[old_key].popleft()
                 self.tokens -= len(old)
-                self._flat.pop(old_key, None)
                 if not self._seqs[old_key]:
                     del self._seqs[old_key]
+                else:  # the new first sequence continues nothing
+                    s, a, _ = self._seqs[old_key][0]
+                    self._seqs[old_key][0] = (s, a, False)
 
     def snapshot(self, key) -> np.ndarray:
-        """The key's sequences as one array, -1 after each (empty when it has none)."""
+        """A copy of the key's text, -1 after each sequence that the next does not continue
+        (empty when it has none)."""
         with self._lock:
-            flat = self._flat.get(key)
-            if flat is None:
-                parts = []
-                for _, arr in self._seqs.get(key, ()):
-                    parts += [arr, np.full(1, -1, dtype=np.int32)]
-                flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
-                self._flat[key] = flat
-            return flat
+            parts = []
+            for _, arr, continues in self._seqs.get(key, ()):
+                if parts and not continues:
+                    parts.append(np.full(1, -1, dtype=np.int32))
+                parts.append(arr)
+            if parts:
+                parts.append(np.full(1, -1, dtype=np.int32))
+            return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
     def keys(self) -> int:
         with self._lock:
@@ -211,7 +235,6 @@ class SuffixStore:
         with self._lock:
             self._seqs.clear()
             self._order.clear()
-            self._flat.clear()
             self.tokens = 0
 
 
