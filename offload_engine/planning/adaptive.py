@@ -351,7 +351,10 @@ class OnlinePlanner:
         k = proposal.size - 1
         s_reach = self.suffix.reach(proposal)
         gain = sum(s_reach)
-        catch_up = timings.draft_factor * timings.draft(1 + round(gain))  # the draft's later catch-up
+        # the draft's catching up on this step's tokens before its next tree: a cost only when a tree
+        # is running (on plain decoding the draft is idle and catches up on every token at once
+        # when it next drafts, a few more tokens making little difference to that one pass)
+        catch_up = timings.draft_factor * timings.draft(1 + round(gain)) if c.budget > 1 else 0.0
         t_pass = _pass(timings, 1 + k)
         t_suffix = max(0.25 * t_pass, t_pass + timings.step_seconds + timings.node_seconds * (1 + k)) + catch_up
         options = {"model": (c.seconds_per_step, c.tokens_per_step), "suffix": (t_suffix, 1 + gain)}
