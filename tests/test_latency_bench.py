@@ -77,16 +77,15 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
 
 
 def test_suffix_study_rows_and_their_plot(pair, tmp_path, monkeypatch):
-    """--suffix-study: plain, suffix, the model draft and the hybrid (auto and a fixed tree), at
-    both temperatures, with the suffix drafts' accepted tokens counted and the T=0 tokens equal
-    to plain decoding's."""
+    """--suffix-study: plain, suffix, the model draft and the hybrid (auto and a fixed tree), with
+    the suffix drafts' accepted tokens counted and the (T=0) tokens equal to plain decoding's."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "measure", _fast_profile)
     target, draft, _ = pair
     prompts = tmp_path / "rep.txt"
     prompts.write_text("one two three one two three one two three one two\nthe cat sat the cat sat the cat\n")
     args = ["bench", "latency", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
-            "--max-new-tokens", "12", "--suffix-study", "--suffix-tree", "4,3", "--no-peer",
+            "--max-new-tokens", "10", "--temperatures", "0", "--suffix-study", "--suffix-tree", "4,3", "--no-peer",
             "--out", str(tmp_path / "r.json")]
     assert main(args) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]

@@ -320,13 +320,17 @@ def chain(tokens, match_length):
 def test_the_suffix_estimate_learns_how_far_the_target_follows_by_match_length():
     """A simulated target follows a 4-token proposal with hazard 0.9 per level after long matches
     (8 tokens) and 0.2 after one-token matches; each step's output is cut at a random length (a
-    step shows what it emitted, no more). After 400 steps of each, the expected accepted tokens
+    step shows what it emitted, no more). Before any evidence it expects what the proposal's own
+    frequencies say (its score). After 400 steps of each, the expected accepted tokens
     are within 0.25 of the truth (0.9 + 0.81 + 0.73 + 0.66 = 3.10; 0.2 + 0.04 + ... = 0.25); the
     evidence (weights fading by 0.98 per observation: about 50 effective) gives a standard error
     near 0.1 on the first."""
     from offload_engine.planning.adaptive import SuffixEstimate
     rng = np.random.default_rng(5)
     est = SuffixEstimate()
+    # before any evidence, the proposal's own frequency estimate: its score
+    branching = suffix.SuffixProposal((-1, 0, 0, 1, 3), (0, 5, 6, 7, 8), (1.0, 0.6, 0.3, 0.5, 0.2), 4, "store")
+    assert est.expected(branching) == pytest.approx(branching.score)
     truth = {8: 0.9, 1: 0.2}
     for _ in range(400):
         for m, h in truth.items():

@@ -157,7 +157,7 @@ class TimingEstimate:
 
 SUFFIX_BUCKETS = (1, 3, 6, 12)  # match lengths starting each bucket: 1-2, 3-5, 6-11, 12 and more
 SUFFIX_LEVELS = 8  # hazards kept per bucket (deeper levels use the last)
-SUFFIX_PRIOR = (0.5, 2.0)  # each hazard's prior: its mean and weight in observations
+SUFFIX_PRIOR = 2.0  # observations the proposal's own frequency estimate counts as, per hazard
 SUFFIX_FORGET = 0.98  # per observation: a bucket follows text that stops (or starts) repeating
 
 
@@ -167,12 +167,13 @@ class SuffixEstimate:
     its first j-1 tokens followed the proposal. A suffix node is a fixed proposal, so a suffix-only
     step would accept it exactly when the target's draw is that token: the output of any exact
     step (plain, model tree, hybrid) shows what a suffix-only step would have accepted, as far as
-    it goes (a level past the step's output is not observed)."""
+    it goes (a level past the step's output is not observed). The prior is the proposal's own
+    frequency estimate (its depth-j nodes' probability over its depth j-1 nodes'), counted as
+    SUFFIX_PRIOR observations; the evidence, fading by SUFFIX_FORGET, soon outweighs it."""
 
     def __init__(self):
-        mean, weight = SUFFIX_PRIOR
-        self.hits = [[mean * weight] * SUFFIX_LEVELS for _ in SUFFIX_BUCKETS]
-        self.tries = [[weight] * SUFFIX_LEVELS for _ in SUFFIX_BUCKETS]
+        self.hits = [[0.0] * SUFFIX_LEVELS for _ in SUFFIX_BUCKETS]
+        self.tries = [[0.0] * SUFFIX_LEVELS for _ in SUFFIX_BUCKETS]
 
     @staticmethod
     def bucket(match_length: int) -> int:
@@ -180,10 +181,16 @@ class SuffixEstimate:
 
     def reach(self, proposal: SuffixProposal) -> list[float]:
         """The chance that the target follows the proposal to depth 1, 2, ... (its deepest)."""
+        depths = [0] * proposal.size
+        mass = [1.0] + [0.0] * proposal.size  # the proposal's probability at each depth
+        for i in range(1, proposal.size):
+            depths[i] = depths[proposal.parents[i]] + 1
+            mass[depths[i]] += proposal.probs[i]
         b, out, p = self.bucket(proposal.match_length), [], 1.0
-        for j in range(_depth(proposal)):
+        for j in range(max(depths)):
             k = min(j, SUFFIX_LEVELS - 1)
-            p *= self.hits[b][k] / self.tries[b][k]
+            prior = min(1.0, mass[j + 1] / mass[j]) if mass[j] > 0 else 0.0
+            p *= (self.hits[b][k] + SUFFIX_PRIOR * prior) / (self.tries[b][k] + SUFFIX_PRIOR)
             out.append(p)
         return out
 
@@ -220,13 +227,6 @@ def _pass(timings: Timings, n: int) -> float:
         return timings.target(n)
     slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
     return ys[-1] + max(0.0, slope) * (n - xs[-1])
-
-
-def _depth(proposal: SuffixProposal) -> int:
-    depths = [0] * proposal.size
-    for i in range(1, proposal.size):
-        depths[i] = depths[proposal.parents[i]] + 1
-    return max(depths)
 
 
 def tree_label(n: int, d: int) -> str:
