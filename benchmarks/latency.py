@@ -16,7 +16,10 @@ Modes, each over the same prompts at each temperature (seeded per prompt):
                    few steps from what the steps measure (online adaptation)
   auto-no-adapt    `--tree auto --no-adapt`: the profile's choice kept for the whole run
   suffix           `--draft suffix`: no draft model, trees of continuations of text already seen
-                   (the prompt, the output so far, and earlier prompts' text: `--suffix-study`)
+                   (the prompt, the output so far, and earlier prompts' text: `--suffix-study`), each
+                   proposal run, trimmed or skipped by the measured cost of a wider pass (`SuffixGate`)
+  suffix-rule      (`--suffix-study`) `--draft suffix --no-adapt`: SuffixDecoding's rule as published,
+                   every proposal run whole
   model-auto, model-N,D, hybrid-auto, hybrid-N,D
                    (`--suffix-study`) the model draft alone and with suffix drafts grafted on
                    (`--draft MODEL+suffix`), with `--tree auto` and with a fixed Sequoia tree
@@ -110,7 +113,8 @@ def _study_modes(hindsight: list[tuple[int, int]]) -> list[dict]:
 
 def _suffix_modes(n: int, d: int) -> list[dict]:
     return [{"mode": "plain-streamed", "kind": "none", "draft": False},
-            {"mode": "suffix", "kind": "suffix", "draft_name": "suffix", "tree": "none"},
+            {"mode": "suffix", "kind": "suffix", "draft_name": "suffix", "tree": "auto"},
+            {"mode": "suffix-rule", "kind": "suffix", "draft_name": "suffix", "tree": "auto", "adapt": False},
             {"mode": "model-auto", "kind": "auto"},
             {"mode": "hybrid-auto", "kind": "auto", "draft_name": "MODEL+suffix"},
             {"mode": f"model-{n},{d}", "kind": "sequoia", "budget": n, "depth": d},
@@ -131,7 +135,7 @@ def _load(args, m: dict):
 def _empty() -> dict:
     return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
             "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": [], "suffix_accepted": 0,
-            "suffix_matched": 0}
+            "suffix_matched": 0, "gate_runs": 0, "gate_skips": 0}
 
 
 def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_tokens: int) -> None:
@@ -148,6 +152,8 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     if s.get("suffix"):
         acc["suffix_accepted"] += s["suffix"]["accepted_tokens"]
         acc["suffix_matched"] += s["suffix"]["matched_steps"]
+        acc["gate_runs"] += s["suffix"].get("gate_runs") or 0
+        acc["gate_skips"] += s["suffix"].get("gate_skips") or 0
     if s.get("auto"):  # each generation: predicted at its start, forecast step by step, measured
         a = s["auto"]
         acc["per_prompt"].append({
@@ -226,6 +232,8 @@ def run(args: argparse.Namespace) -> dict:
                     if "draft_name" in m:  # suffix drafts: tokens they gave, steps they matched
                         row["suffix_accepted_tokens"], row["suffix_matched_steps"] = (r["suffix_accepted"],
                                                                                       r["suffix_matched"])
+                        if m["kind"] == "suffix" and m.get("adapt", True):  # the gate: proposals run, skipped
+                            row["gate_runs"], row["gate_skips"] = r["gate_runs"], r["gate_skips"]
                     if m["kind"] == "auto" and r["auto"]:
                         row["budget"], row["depth"] = r["auto"]["budget"], r["auto"]["depth"]
                         row["predicted_seconds_per_token"] = r["auto"]["predicted_seconds_per_token"]
@@ -304,7 +312,8 @@ def markdown(res: dict) -> str:
         if "vs_best_fixed" in r:
             mode += f": {r['vs_best_fixed']:.2f}x best fixed; {r['trees']}"
         if "suffix_accepted_tokens" in r:
-            mode += f" ({r['suffix_accepted_tokens']} tokens from suffix drafts)"
+            mode += f" ({r['suffix_accepted_tokens']} tokens from suffix drafts"
+            mode += (f"; {r['gate_runs']} proposals run, {r['gate_skips']} skipped)" if "gate_runs" in r else ")")
         lines.append(f"| {mode} | {r['temperature']:g} | {r['budget']}, {r['depth']} | {r['tokens_per_step']:.2f} | "
                      f"{r['seconds_per_token']:.4f} | {r['speedup_vs_plain_streamed']:.2f}x | {r['target_passes']} | "
                      f"{r['bytes_streamed_per_token'] / 1e6:.1f} | {eq} |")

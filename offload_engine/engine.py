@@ -226,6 +226,8 @@ class Engine:
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
         self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
+        self.suffix_gated = False  # --draft suffix alone, --tree auto: a `SuffixGate` per temperature
+        self.gates: dict = {}
         # --draft suffix / X+suffix: earlier requests' prompts and outputs, per store key
         self.suffix_store: SuffixStore | None = None
         # stops the loader thread when the engine is closed, collected, or at interpreter exit
@@ -330,6 +332,9 @@ class Engine:
         engine.adapt = adapt
         if use_suffix:
             engine.suffix_store = SuffixStore(suffix_memory)
+            # --draft suffix alone: with --tree auto (and adaptation) each proposal is run, trimmed
+            # or skipped by what the steps measure (`SuffixGate`); else SuffixDecoding's rule as is
+            engine.suffix_gated = draft_model is None and auto and adapt
         if auto and draft_model is not None:
             engine._plan_auto(acceptance, cap_budget, cap_depth, progress)
         return engine
@@ -443,13 +448,17 @@ class Engine:
         # (--tree none, or auto choosing plain decoding: the draft sits the steps out; with adaptation
         # its cache is kept and catches up before its next tree)
         adaptive = planner is not None and planner.adapt and planner.max_nodes > 1
-        drafter = None
+        drafter = gate = None
         if self.suffix_store is not None:
             drafter = SuffixDrafter(ids, self.suffix_store.snapshot(suffix_key), MAX_PATTERN + 1)
+            if self.suffix_gated and self.draft is None:
+                from .planning.adaptive import SuffixGate
+                gate = self.gates.setdefault(round(params.temperature, 3) if not params.greedy else 0.0, SuffixGate())
+                gate_start = (gate.runs, gate.skips)
+        choose = planner.choose_arm if planner is not None and drafter is not None else gate.choose if gate else None
         decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
-                                     timed=adaptive, suffix=drafter,
-                                     choose=planner.choose_arm if planner is not None and drafter is not None else None)
+                                     timed=adaptive, suffix=drafter, choose=choose)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -474,6 +483,9 @@ class Engine:
                 by_rank[min(rank, len(by_rank) - 1)] += 1
             by_length[min(len(step.verify.accepted), len(by_length) - 1)] += 1
             pending = step.tokens
+            if gate is not None:
+                gate.observe(decoder.last_proposal, decoder.last_nodes,
+                             decoder.last_times.total + t_emit, step.tokens)
             if planner is not None:  # the next step's tree, from this step and the ones before
                 times = replace(decoder.last_times, total=decoder.last_times.total + t_emit)
                 if decoder.last_proposal is not None and decoder.last_proposal.size > 1:
@@ -488,7 +500,7 @@ class Engine:
         if drafter is not None:  # this request's new text joins its key's store
             self.suffix_store.add(suffix_key, ids, new)
             suffix_stats = {**drafter.stats(), "accepted_tokens": decoder.suffix_accepted,
-                            "store_total_tokens": self.suffix_store.tokens}
+                            "store_total_tokens": self.suffix_store.tokens, **(gate.stats(*gate_start) if gate else {})}
         stats = {"prompt_tokens": len(ids), "cached_prompt_tokens": decoder.reused_tokens,
                  "prefilled_tokens": len(ids) - decoder.reused_tokens, "new_tokens": len(new), "seconds": seconds,
                  "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,

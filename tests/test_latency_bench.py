@@ -89,10 +89,10 @@ def test_suffix_study_rows_and_their_plot(pair, tmp_path, monkeypatch):
             "--out", str(tmp_path / "r.json")]
     assert main(args) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    modes = {"plain-streamed", "suffix", "model-auto", "hybrid-auto", "model-4,3", "hybrid-4,3"}
+    modes = {"plain-streamed", "suffix", "suffix-rule", "model-auto", "hybrid-auto", "model-4,3", "hybrid-4,3"}
     assert modes <= {r["mode"] for r in rows}
     for r in rows:
-        if r["mode"] in ("suffix", "hybrid-auto", "hybrid-4,3"):
+        if r["mode"] in ("suffix", "suffix-rule", "hybrid-auto", "hybrid-4,3"):
             assert r["suffix_accepted_tokens"] >= 0 and "suffix_matched_steps" in r
         if r["temperature"] == 0:
             assert r["equal_to_plain"], r["mode"]

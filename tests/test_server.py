@@ -452,7 +452,9 @@ def test_suffix_drafts_keep_one_store_per_api_key_and_per_conversation(tmp_path)
     first. Without keys, each conversation (its opening messages) has its own store; with
     --suffix-shared everything is pooled. Greedy answers are the same throughout."""
     folder = make_tiny_checkpoint(tmp_path / "m", "smollm-tied", init_std=0.2)
-    engine = Engine.load(folder, draft="suffix", progress=False)
+    # adapt=False: every proposal runs (no `SuffixGate` weighing a tiny model's noisy timings), so
+    # what each request drafted from shows in its accepted tokens
+    engine = Engine.load(folder, draft="suffix", adapt=False, progress=False)
     engine.eos_token_ids = frozenset()
 
     def ask(server, key, messages):

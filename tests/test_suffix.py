@@ -280,7 +280,7 @@ def test_caches_after_every_hybrid_step_equal_a_fresh_prefill(pair, partial, kin
 def test_one_store_key_never_drafts_from_another(pair):
     """The same prompt under key A twice, then under key B: B's request finds nothing in the
     store (its key's is empty) and A's second does."""
-    engine = Engine.load(pair[0], draft="suffix", progress=False)
+    engine = Engine.load(pair[0], draft="suffix", adapt=False, progress=False)  # every proposal runs
     engine.eos_token_ids = frozenset()
     try:
         a1 = engine.generate(PROMPT, max_new_tokens=30, suffix_key="A")
@@ -404,3 +404,68 @@ def test_greedy_hybrid_auto_with_every_arm_equals_plain_greedy(pair, partial, pl
     assert {"hybrid", "suffix", "model"} <= set(choose.used)
     assert "suffix" in labels and any(label.endswith("+suffix") for label in labels), labels
     assert second.stats["suffix"]["accepted_tokens"] >= 10
+
+
+def _gate(plain_s: float, per_node_s: float | None, follows: dict[int, float] | None = None):
+    """A SuffixGate that has measured plain steps of plain_s and (unless None) wider passes costing
+    per_node_s a node more, and has seen the target follow 4-token chains after m-token matches
+    with the hazard follows[m] at every level."""
+    from offload_engine.planning.adaptive import SuffixGate
+    gate = SuffixGate()
+    for _ in range(10):
+        gate.observe(None, 1, plain_s, [9])
+        if per_node_s is not None:
+            gate.observe(None, 9, plain_s + 8 * per_node_s, [9])
+    rng = np.random.default_rng(4)
+    for m, h in (follows or {}).items():
+        for _ in range(300):
+            out = []
+            for tok in (1, 2, 3, 4):
+                out.append(tok if rng.random() < h else 99)
+                if out[-1] == 99:
+                    break
+            gate.suffix.observe(chain([1, 2, 3, 4], m), out)
+    return gate
+
+
+def test_the_suffix_gate_runs_skips_or_trims_by_measured_cost():
+    """`--draft suffix` alone, `--tree auto`: with nothing measured the proposal runs (SuffixDecoding's
+    rule, and the measurement); with free width any proposal runs whole; with a pass that costs 10%
+    more per node, a proposal the target follows 95% of the time per level runs whole, one it
+    follows 2% of the time does not run (plain decoding: 1 / 0.10 tokens/s beats about 1.06 / 0.11
+    at one node, the estimate's prior counted in), and a chain whose first node is likely and the
+    rest are not is cut to its first node (1.9 / 0.12 against 2.04 / 0.14 for two nodes)."""
+    from offload_engine.planning.adaptive import SuffixGate
+    four = chain([1, 2, 3, 4], 8)
+    assert SuffixGate().choose(four) == ("suffix", four)
+    assert _gate(0.1, 0.0, {8: 0.1}).choose(four) == ("suffix", four)
+    gate = _gate(0.1, 0.01, {8: 0.95, 1: 0.02})
+    assert gate.choose(four) == ("suffix", four)
+    assert gate.choose(chain([1, 2, 3, 4], 1))[0] == "model"
+    assert gate.pass_seconds(5) == pytest.approx(0.14)
+    # the proposal's own estimate (no evidence for 3-5-token matches): its first node at 0.9, then 0.15 each
+    steep = suffix.SuffixProposal((-1, 0, 1, 2, 3), (0, 1, 2, 3, 4), (1.0, 0.9, 0.135, 0.02, 0.003), 4, "store")
+    arm, part = _gate(0.1, 0.02).choose(steep)
+    assert arm == "suffix" and part.tokens == (0, 1) and part.parents == (-1, 0)
+    assert gate.stats()["gate_skips"] == 1 and gate.stats()["gate_ms_per_node"] == pytest.approx(10.0)
+
+
+def test_greedy_suffix_with_the_gate_equals_plain_greedy(pair, plain, monkeypatch):
+    """The engine's loop with `--draft suffix --tree auto`: the real gate, then a gate whose choice
+    cycles through running the whole proposal, its first node and none of it. The tokens are plain
+    greedy's each time, in a first request and in a second that drafts from the first's text; the
+    cycled run trims and skips."""
+    from offload_engine.planning.adaptive import SuffixGate, _trimmed
+    first, second = twice(pair[0], draft="suffix", tree="auto")
+    assert first.token_ids == plain and second.token_ids == plain
+    assert second.stats["suffix"]["gate_runs"] >= 1
+    used = []
+
+    def cycle(self, proposal):
+        k = len(used) % 3
+        used.append(k)
+        return ("suffix", proposal) if k == 0 else ("suffix", _trimmed(proposal, 1)) if k == 1 else ("model", proposal)
+    monkeypatch.setattr(SuffixGate, "choose", cycle)
+    first, second = twice(pair[0], draft="suffix", tree="auto")
+    assert first.token_ids == plain and second.token_ids == plain
+    assert set(used) == {0, 1, 2} and second.stats["suffix"]["accepted_tokens"] >= 5

@@ -57,7 +57,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "default 24)")
     t.add_argument("--no-adapt", dest="adapt", action="store_false",
                    help="--tree auto: keep the tree chosen from the profile for the whole generation (default: "
-                        "re-choose it every few steps from what the steps measure)")
+                        "re-choose it every few steps from what the steps measure); --draft suffix alone: run "
+                        "every proposal whole (default: skip or trim those the measured pass cost says do not pay)")
     t.add_argument("--specinfer-width", type=int, default=4, help="SpecInfer: independent sequences (default 4)")
     t.add_argument("--acceptance", default=None,
                    help="acceptance vector JSON (from the acceptance command) shaping --tree sequoia")
@@ -259,6 +260,8 @@ def _stats_line(stats: dict) -> str:
     if sfx:
         line += (f"; suffix drafts: {sfx['accepted_tokens']} tokens accepted, matched {sfx['matched_steps']} of "
                  f"{sfx['lookups']} steps ({sfx['store_matched_steps']} from earlier requests)")
+        if sfx.get("gate_runs") is not None:  # --draft suffix alone, --tree auto
+            line += f", ran {sfx['gate_runs']} (skipped {sfx['gate_skips']} that would not pay)"
     if stats["bytes_streamed"]:
         line += (f", {stats['bytes_streamed'] / 1e9:.2f} GB streamed at {stats['effective_gbps']:.2f} GB/s, "
                  f"stalled {stats['stall_seconds']:.2f} s")

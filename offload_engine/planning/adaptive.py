@@ -219,6 +219,87 @@ class SuffixEstimate:
             node = nxt
 
 
+GATE_WINDOW = 24  # recent steps of each kind the suffix gate's pass-time model is the median of
+GATE_SIZES = (64, 32, 16, 8, 4, 2, 1)  # proposal sizes (nodes below the root) the gate compares
+
+
+def _trimmed(proposal: SuffixProposal, k: int) -> SuffixProposal:
+    """The proposal's first k nodes below the root: its most probable ones (they were added most
+    probable first, a parent before its children), so still a tree."""
+    if proposal.size <= k + 1:
+        return proposal
+    return SuffixProposal(proposal.parents[: k + 1], proposal.tokens[: k + 1], proposal.probs[: k + 1],
+                          proposal.match_length, proposal.source)
+
+
+class SuffixGate:
+    """`--draft suffix` alone: whether a step with a suffix proposal runs it, and how much of it.
+
+    SuffixDecoding's rule proposes up to one node per matched token, whatever a wider pass costs.
+    On a GPU a pass of 64 tokens costs what a pass of one does; on a CPU it does not (here a
+    disk-streamed pass of the embedded default grows by about a millisecond per token), and a
+    proposal the target rarely follows then costs more than it saves. The gate compares, per step,
+    plain decoding (one token, t(1)) with the proposal's k most probable nodes for k in GATE_SIZES
+    (1 + the expected accepted tokens, t(1 + k)), and runs the fastest per token. Both parts are
+    measured: t(n) = t1 + slope * (n - 1), t1 the median of recent plain steps, slope the median
+    of recent suffix steps' (t(n) - t1) / (n - 1) (0 until one is measured: the first proposals
+    run and measure it); the expected tokens come from a `SuffixEstimate` learned from every
+    step's output (as with `--draft X+suffix`). One gate lives on the engine per request
+    temperature, so it carries what it learned from one generation to the next.
+
+    Exactness: the choice is made before the step's target pass, from earlier steps only, and a
+    trimmed proposal is still a fixed proposal; verification is exact for any tree.
+    """
+
+    def __init__(self):
+        self.suffix = SuffixEstimate()
+        self.plain_times: deque[float] = deque(maxlen=GATE_WINDOW)
+        self.slopes: deque[float] = deque(maxlen=GATE_WINDOW)
+        self.runs = self.skips = 0
+
+    def pass_seconds(self, n: int) -> float | None:
+        if not self.plain_times:
+            return None
+        slope = statistics.median(self.slopes) if self.slopes else 0.0
+        return statistics.median(self.plain_times) + max(0.0, slope) * (n - 1)
+
+    def choose(self, proposal: SuffixProposal) -> tuple[str, SuffixProposal]:
+        """("suffix", the proposal or its most probable part) or ("model", it): plain decoding."""
+        if self.pass_seconds(1) is None:  # nothing measured yet: SuffixDecoding's rule
+            self.runs += 1
+            return "suffix", proposal
+        best, best_rate = None, 1.0 / self.pass_seconds(1)
+        for k in sorted({min(k, proposal.size - 1) for k in GATE_SIZES}, reverse=True):
+            part = _trimmed(proposal, k)
+            rate = (1.0 + sum(self.suffix.reach(part))) / self.pass_seconds(1 + k)
+            if rate > best_rate:
+                best, best_rate = part, rate
+        if best is None:
+            self.skips += 1
+            return "model", proposal
+        self.runs += 1
+        return "suffix", best
+
+    def observe(self, proposal: SuffixProposal | None, nodes: int, seconds: float, output: list[int]) -> None:
+        """One step: the proposal made for it (whether it ran or not), the nodes of its target
+        pass, its seconds, and its output (accepted tokens, then the bonus)."""
+        if proposal is not None and proposal.size > 1:
+            self.suffix.observe(proposal, output)
+        if nodes == 1:
+            self.plain_times.append(seconds)
+        elif self.plain_times:
+            self.slopes.append((seconds - statistics.median(self.plain_times)) / (nodes - 1))
+
+    def stats(self, runs_before: int = 0, skips_before: int = 0) -> dict:
+        """Proposals run and skipped since the counts given (a generation's start), and the pass
+        model now."""
+        t1 = self.pass_seconds(1)
+        slope = statistics.median(self.slopes) if self.slopes else None
+        return {"gate_runs": self.runs - runs_before, "gate_skips": self.skips - skips_before,
+                "gate_plain_step_ms": 1e3 * t1 if t1 is not None else None,
+                "gate_ms_per_node": 1e3 * slope if slope is not None else None}
+
+
 def _pass(timings: Timings, n: int) -> float:
     """The target's pass over n tokens, extrapolated along the last measured slope past the
     widest measured pass (a grafted proposal can widen the tree past it)."""

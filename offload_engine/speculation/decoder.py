@@ -271,13 +271,14 @@ class SpeculativeDecoder:
     are fixed proposals in verification; a grafted node has no draft K/V, so the draft catches up
     on an accepted one at its next step. choose(proposal): for a step with a proposal, "model" (the
     spec's tree alone), "suffix" (the proposal alone: the draft sits the step out) or "hybrid"
-    (`OnlinePlanner.choose_arm`); without it, hybrid when there is a draft model."""
+    (`OnlinePlanner.choose_arm`), or ("suffix" or "model", the part of the proposal to run)
+    (`SuffixGate.choose`); without it, hybrid when there is a draft model, else the proposal."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
                  verify: str = "auto", draft_graphs: str = "auto", max_nodes: int | None = None,
                  timed: bool = False, suffix: SuffixDrafter | None = None,
-                 choose: Callable[[SuffixProposal], str] | None = None):
+                 choose: Callable[[SuffixProposal], str | tuple[str, SuffixProposal]] | None = None):
         if spec.kind == "none" and max_nodes is None:
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         if verify not in VERIFY_MODES:
@@ -386,11 +387,13 @@ class SpeculativeDecoder:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
         t_start = time.perf_counter()
         proposal = self.suffix.propose(root) if self.suffix is not None else None
-        arm = "model"
+        arm, full = "model", proposal
         if proposal is not None and proposal.size > 1:
             arm = (self.choose(proposal) if self.choose is not None
                    else "suffix" if self.draft is None else "hybrid")
-        self.last_arm, self.last_proposal = arm, proposal
+            if isinstance(arm, tuple):  # (arm, the part of the proposal to run: `SuffixGate`)
+                arm, proposal = arm
+        self.last_arm, self.last_proposal = arm, full  # (the whole proposal, whatever part of it runs)
         drafting = self.draft is not None and arm != "suffix"
         t_caught = t0 = time.perf_counter()  # (the draft's part starts after the lookup)
         if drafting and len(self.seqs[1].tokens) < len(self.seqs[0].tokens):
@@ -422,6 +425,7 @@ class SpeculativeDecoder:
         if self.timed and drafting and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
+        self.last_nodes = len(parents)  # the width of this step's target pass
         result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs, fixed)
         t2 = time.perf_counter()
         path = [0] + list(result.accepted)
