@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
 import threading
@@ -21,6 +22,7 @@ from .errors import UserError
 from .formats.checkpoint import fingerprint, open_checkpoint
 from .formats.config import ModelConfig, load_config, parse_dtype
 from .formats.gguf_model import is_sidecar
+from .formats.model_names import is_model_name, resolve_name
 from .formats.detokenize import TextStream
 from .formats.tokenizer import Tokenizer
 from .planning.auto_tree import AUTO_MAX_BUDGET
@@ -57,6 +59,11 @@ def resolve_target(target: str | Path | None, progress: bool = True) -> Path:
     if target is None or str(target) == "default":
         from .formats.default_model import default_model_dir
         return default_model_dir(progress=progress)
+    if is_model_name(str(target)):  # a Hugging Face id in the local cache, or ollama:NAME[:TAG]
+        found = resolve_name(str(target))
+        if found.is_file():
+            return gguf_model.sidecar_for(found, progress, name=_safe_stem(str(target)))
+        target = found
     path = Path(target).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -66,6 +73,11 @@ def resolve_target(target: str | Path | None, progress: bool = True) -> Path:
         raise UserError(f"checkpoint folder {path} does not exist")
     found = gguf_model.gguf_in(path)
     return gguf_model.sidecar_for(found, progress) if found is not None else path
+
+
+def _safe_stem(name: str) -> str:
+    """A model name as a folder name: 'ollama:llama3.1:70b' -> 'ollama-llama3.1-70b'."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -139,10 +151,10 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
         folder = default_draft_dir(target_folder, progress)
     else:
         path = Path(draft).expanduser()
-        if not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
-            raise UserError(f"--draft {draft}: not a checkpoint folder, a .gguf file, 'default', "
-                            f"{' or '.join(repr(k) for k in SELF_DRAFTS)}")
-        folder = resolve_target(path, progress)
+        if not is_model_name(str(draft)) and not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
+            raise UserError(f"--draft {draft}: not a checkpoint folder, a .gguf file, a Hugging Face id "
+                            f"(org/name), ollama:NAME, 'default', {' or '.join(repr(k) for k in SELF_DRAFTS)}")
+        folder = resolve_target(str(draft) if is_model_name(str(draft)) else path, progress)
     draft_cfg = load_config(folder)
     if is_sidecar(folder):  # resident in its own block formats
         ckpt = open_checkpoint(folder, draft_cfg)

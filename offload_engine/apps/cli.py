@@ -19,7 +19,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--target", default="default",
                    help="checkpoint folder (Hugging Face layout), a llama GGUF file (or a folder holding one), "
-                        "or 'default' (embedded SmolLM2-135M-Instruct, its Q4_1 GGUF)")
+                        "a Hugging Face id in the local cache (org/name[@revision]), ollama:NAME[:TAG], "
+                        "or 'default' (embedded SmolLM2-135M-Instruct, its Q4_1 GGUF); `models` lists them")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="compute dtype: bfloat16, float16, float32 "
                                                  "(default: bfloat16 on CUDA, float32 on CPU)")
@@ -36,7 +37,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                                "minus 4 GiB on a GPU machine; 0 on the CPU)")
     t = p.add_argument_group("speculation (with a draft)")
     t.add_argument("--draft", default=None,
-                   help="draft kept resident: a checkpoint folder (same tokenizer); 'default' (the embedded "
+                   help="draft kept resident: a checkpoint folder, .gguf file, Hugging Face id or ollama:NAME "
+                        "(same tokenizer); 'default' (the embedded "
                         "target's distilled draft); 'self-int8' or 'self-int4' (the target's own layers "
                         "quantised, sharing its embeddings and head); 'suffix' (no model: continuations of text "
                         "already seen); or any of the model drafts followed by '+suffix' (both, grafted)")
@@ -198,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--layer-overhead-ms", type=float, default=0.1, help="launch overhead per layer (default 0.1)")
     sim.add_argument("--nvme-gbps", type=float, default=6.0, help="disk tier read GB/s (default 6)")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    mdl = sub.add_parser("models", help="every model on this machine (Hugging Face cache, Ollama, the default, "
+                                        "--search folders): size, format, where its layers would live, "
+                                        "predicted speed, which pairs can speculate together")
+    mdl.add_argument("--search", action="append", default=[], metavar="DIR",
+                     help="also look for checkpoint folders and .gguf files here (three levels down; repeatable)")
+    mdl.add_argument("--gpu", default=None, help="predict on this spec-sheet GPU (default: this machine's GPU when "
+                                                 "its sheet is shipped: rtx4090, rtx3090, rtx4080, l40, a100-40gb, "
+                                                 "h100-pcie)")
+    mdl.add_argument("--ram", default=None, help="host RAM for the prediction (default: this machine's)")
+    mdl.add_argument("--vram", default=None, help="device budget for the prediction (default: the GPU's memory "
+                                                  "minus 1 GiB)")
+    mdl.add_argument("--json", action="store_true", help="print the table as JSON")
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
     plan.add_argument("--cache-slots", type=int, default=1, help="KV caches kept for prefix reuse (serve)")
@@ -386,7 +400,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if isinstance(api_key, list) and not all(api_key):
         raise UserError("--api-key must not be empty")
     engine = _load(args)
-    name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else display_name(engine.folder))
+    from ..formats.model_names import is_model_name
+    name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else
+                               args.target if is_model_name(args.target) else display_name(engine.folder))
     try:
         serve(engine, name, args.host, args.port, api_key, args.max_queue, args.cors_origin,
               suffix_shared=args.suffix_shared)
@@ -571,6 +587,19 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    import psutil
+
+    from ..runtime.placement import parse_size
+    from . import models
+    gpu = args.gpu or models.local_gpu()
+    ram = parse_size(args.ram) if args.ram else psutil.virtual_memory().total
+    rows, note = models.list_models([Path(d) for d in args.search], gpu, ram,
+                                    parse_size(args.vram) if args.vram else None)
+    print(models.as_json(rows, note) if args.json else models.table(rows, note))
+    return 0
+
+
 def cmd_default_model(args: argparse.Namespace) -> int:
     from ..formats.default_model import default_model_dir
     print(default_model_dir(progress=True))
@@ -580,7 +609,7 @@ def cmd_default_model(args: argparse.Namespace) -> int:
 COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
             "convert-gguf": cmd_convert, "default-model": cmd_default_model, "plan": cmd_plan, "bench": cmd_bench,
             "acceptance": cmd_acceptance, "distill": cmd_distill, "profile": cmd_profile,
-            "simulate": cmd_simulate}
+            "simulate": cmd_simulate, "models": cmd_models}
 
 
 def main(argv: list[str] | None = None) -> int:

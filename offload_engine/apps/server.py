@@ -24,11 +24,12 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..engine import Engine, GenerationResult
@@ -38,6 +39,13 @@ DEFAULT_MAX_QUEUE = 16
 KEEPALIVE_S = 10.0  # a stream waiting in the queue or on a long pass sends an SSE comment this often
 MAX_STOP_STRINGS = 4
 ROLES = {"system", "developer", "user", "assistant"}
+WEB_DIR = Path(__file__).parent / "web"  # the chat page at /: plain files, no build step, nothing from a CDN
+WEB_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
+             "chat.css": "text/css; charset=utf-8"}
+WEB_HEADERS = {  # only this server's own script, style and API; no framing, no inline script
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 
 
 class ApiError(Exception):
@@ -442,6 +450,23 @@ def create_app(engine: Engine, model_name: str, api_key: str | list[str] | None 
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         return body
+
+    pages = {name: (WEB_DIR / name).read_bytes() for name in WEB_FILES}
+
+    def page(name: str) -> Response:
+        return Response(pages[name], media_type=WEB_FILES[name], headers=WEB_HEADERS)
+
+    @app.get("/")
+    async def chat_page():
+        return page("index.html")
+
+    @app.get("/chat.js")
+    async def chat_script():
+        return page("chat.js")
+
+    @app.get("/chat.css")
+    async def chat_style():
+        return page("chat.css")
 
     @app.get("/health")
     async def health(request: Request):

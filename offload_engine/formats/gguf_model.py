@@ -41,7 +41,10 @@ def display_name(folder: Path) -> str:
     folder = Path(folder)
     if is_sidecar(folder):
         try:
-            return Path(json.loads((folder / SIDECAR_FILE).read_text(encoding="utf-8"))["file"]).name.removesuffix(".gguf")
+            name = Path(json.loads((folder / SIDECAR_FILE).read_text(encoding="utf-8"))["file"]).name
+            if name.endswith(".gguf"):
+                return name.removesuffix(".gguf")
+            return folder.name.rsplit("-gguf-", 1)[0]  # a blob (Ollama's sha256-...): the name it was loaded by
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return folder.name

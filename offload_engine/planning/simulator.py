@@ -212,15 +212,16 @@ def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int
     return Choice(n, d, value, step, t_target, t_draft, widths, plan_tree)
 
 
-def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precision: str = "fp16",
+def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str | ModelConfig | None,
+             precision: str = "fp16",
              acceptance: str | Path | None = None, offload: str = "auto", vram: int | None = None,
              tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
              max_budget: int = 1024, max_depth: int = 24, assumptions: Assumptions = Assumptions(),
              draft_precision: str = "fp16") -> Simulation:
     a = assumptions
     spec = gpu if isinstance(gpu, GpuSpec) else load_gpu_spec(gpu)
-    _, cfg = load_model_shape(model)
-    draft_cfg = load_model_shape(draft)[1] if draft else None
+    cfg = model if isinstance(model, ModelConfig) else load_model_shape(model)[1]  # a preset, or a config
+    draft_cfg = draft if isinstance(draft, ModelConfig) else load_model_shape(draft)[1] if draft else None
     if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
         raise UserError(f"--draft {draft}: vocabulary of {draft_cfg.vocab_size} tokens, the target's has "
                         f"{cfg.vocab_size}: a draft must share the target's tokenizer")
@@ -245,10 +246,15 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str, draft: str | None, precis
         t_draft = tuple(draft_level_s(draft_cfg, draft_precision, w, spec, a) for w in DRAFT_WIDTHS)
         timings = Timings(TARGET_WIDTHS, t_target, DRAFT_WIDTHS, t_draft, a.step_overhead_s)
         choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
-    setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": model, "draft": draft, "precision": precision,
+    setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": _label(model), "draft": _label(draft),
+               "precision": precision,
                "draft_precision": draft_precision,
                "offload": offload, **{k: v for k, v in dataclasses.asdict(a).items()}}
     return Simulation(setting, plan, timings, vector, source, choice, t_target[0])
+
+
+def _label(model) -> str | None:
+    return f"{model.model_type} ({model.num_layers} layers)" if isinstance(model, ModelConfig) else model
 
 
 def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, temperature: float = 0.0,
