@@ -192,6 +192,12 @@ def _peer(args, prompts: list[dict], max_new_tokens: int, engine) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from offload_engine.planning.adaptive import describe_trees
     from offload_engine.speculation.measure import read_prompts
+    if args.plots:  # before a run of many minutes, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from offload_engine.errors import UserError
+            raise UserError("--plots needs matplotlib: pip install -e '.[bench]' (or leave --plots out)") from None
     if args.quick:
         args.limit, args.max_new_tokens, args.budgets = 3, 32, "16"
     temps = [float(t) for t in args.temperatures.split(",")]
