@@ -2,7 +2,7 @@
 
     python benchmarks/latency.py [--target default] [--draft default] [--offload disk]
         [--prompts benchmarks/prompts.jsonl] [--limit 4] [--max-new-tokens 32] [--temperatures 0,0.6]
-        [--budgets 16,64] [--quick] [--no-peer] [--out results.json] [--plots DIR]
+        [--budgets 16,64] [--quick] [--modes A,B] [--no-peer] [--out results.json] [--plots DIR]
 
 Modes, each over the same prompts at each temperature (seeded per prompt):
   plain-resident   plain decoding, every target layer resident (no streaming)
@@ -78,6 +78,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh-profile", action="store_true",
                    help="measure the machine's profile again before the run (the first generation is then the "
                         "first after a fresh profile)")
+    p.add_argument("--modes", default=None,
+                   help="run only these modes (comma-separated names as in the table, e.g. suffix,suffix-rule); "
+                        "plain-streamed always runs")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers + Accelerate row")
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time, each mode over all prompts (default: all engines loaded, the "
@@ -212,6 +215,14 @@ def run(args: argparse.Namespace) -> dict:
     suffix_tree = tuple(int(x) for x in args.suffix_tree.split(","))
     modes = (_study_modes(hindsight) if args.auto_study else _suffix_modes(*suffix_tree) if args.suffix_study
              else _modes(budgets))
+    if args.modes:  # a subset (the baseline always runs: every ratio is against it)
+        from offload_engine.errors import UserError
+        wanted = {m.strip() for m in args.modes.split(",") if m.strip()}
+        unknown = wanted - {m["mode"] for m in modes}
+        if unknown:
+            raise UserError(f"--modes: no mode {', '.join(sorted(unknown))} in this run; its modes: "
+                            + ", ".join(m["mode"] for m in modes))
+        modes = [m for m in modes if m["mode"] in wanted | {"plain-streamed"}]
     if args.fresh_profile:
         _forget_profile(args)
     # Interleaved: prompt by prompt, every mode in turn, so that a slow stretch of a shared disk

@@ -120,3 +120,18 @@ def test_a_broken_mode_shows_as_not_equal(pair, tmp_path, monkeypatch):
     assert rows["plain-resident"]["equal_to_plain"] is True
     for mode in ("chain-16", "specinfer-16", "specexec-16", "sequoia-16"):
         assert rows[mode]["equal_to_plain"] is False, mode
+
+
+def test_modes_runs_a_subset_with_its_baseline(pair, tmp_path, monkeypatch, capsys):
+    """--modes: only the modes named, and plain-streamed (every ratio's baseline); a name that is
+    not a mode of the run is one error that lists them."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = _args(pair, tmp_path, "--suffix-study", "--temperatures", "0", "--no-peer")
+    assert main(args + ["--modes", "suffix,suffix-rule"]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"plain-streamed", "suffix", "suffix-rule", "best-fixed"}
+    assert all(r["equal_to_plain"] for r in rows)
+    capsys.readouterr()
+    assert main(args + ["--modes", "suffix,sufix"]) == 2
+    err = capsys.readouterr().err
+    assert "no mode sufix" in err and "suffix-rule" in err and "Traceback" not in err
