@@ -7,7 +7,7 @@ window has no sideways scrolling. A screenshot of a two-turn conversation is sav
 test-artifacts/chat_page.png.
 
 `.ci/run` installs Chromium and chromedriver when they are missing; `make test` skips this file,
-saying why, only where neither is installed."""
+saying why, only where either is missing."""
 
 import json
 import shutil
@@ -213,12 +213,14 @@ def test_a_wrong_key_and_a_full_queue_are_explained(browser, engine, monkeypatch
         open_page(browser, server.url)
         send(browser, "hi")
         until(lambda: browser.find_element("id", "error").is_displayed(), what="the error")
-        assert "API key" in browser.find_element("id", "error").text
+        assert "needs an API key" in browser.find_element("id", "error").text
+        assert "missing API key" in browser.find_element("id", "error").text  # the server's own words
         assert browser.find_element("id", "input").get_attribute("value") == "hi"  # given back to send again
         assert answers(browser) == []
         set_field(browser, "api-key", "sk-wrong")
         browser.find_element("id", "send").click()
-        until(lambda: "wrong" in browser.find_element("id", "error").text, what="the wrong-key error")
+        until(lambda: "API key given is wrong" in browser.find_element("id", "error").text, what="the wrong-key error")
+        assert "incorrect API key" in browser.find_element("id", "error").text
         set_field(browser, "api-key", KEY)
         set_field(browser, "max-tokens", 4)
         gate = threading.Event()
@@ -259,3 +261,19 @@ def test_a_phone_width_window_has_no_sideways_scrolling(browser, server):
         assert browser.find_element("id", "new-chat").is_displayed()
     finally:
         browser.set_window_size(1200, 900)
+
+
+def test_unreadable_stored_conversations_are_set_aside_not_fatal(browser, server):
+    """Local storage written by something else (another page on this origin, an older version):
+    the page still works, says so, and keeps the unreadable text aside."""
+    open_page(browser, server.url)
+    browser.execute_script("localStorage.setItem('sequoia-offload.chats', JSON.stringify({order: [], chats: "
+                           "{x: {title: 1, messages: null}}}))")
+    open_page(browser, server.url, fresh=False)
+    until(lambda: browser.find_element("id", "error").is_displayed(), what="the notice")
+    assert "could not be read" in browser.find_element("id", "error").text
+    assert browser.execute_script("return localStorage.getItem('sequoia-offload.chats.unreadable')")
+    set_field(browser, "max-tokens", 3)
+    send(browser, "still works?")
+    until(lambda: idle(browser) and answers(browser), what="an answer")
+    assert stored(browser)["messages"][0]["content"] == "still works?"

@@ -58,7 +58,10 @@ def no_network(monkeypatch):
         raise AssertionError(f"a connection was attempted: {a}")
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the resolver must not rely on offline mode being set
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    import huggingface_hub.constants
+    # the resolver must not rely on offline mode being set (huggingface_hub read HF_HUB_OFFLINE at import)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
 
 @pytest.fixture
@@ -123,6 +126,51 @@ def test_a_snapshot_without_a_model_is_refused(hf_cache, no_network):
     (repo / "refs" / "main").write_text(COMMIT)
     with pytest.raises(UserError, match="neither a config.json nor a GGUF file"):
         model_names.resolve_name("acme/Docs")
+
+
+def test_a_partial_download_loads_what_it_has(hf_cache, tiny, no_network):
+    """`huggingface-cli download --exclude "original/*"` leaves a tree listing (trees/<commit>.json)
+    that names files the snapshot lacks; huggingface_hub then raises IncompleteSnapshotError with
+    local files only. The snapshot holds the model: it loads, as its folder does."""
+    tree_cache = pytest.importorskip("huggingface_hub._tree_cache", reason="this huggingface_hub keeps no tree "
+                                     "listings, so it never reports a partial snapshot")
+    repo = hf_cache / "models--acme--Tiny-Llama"
+    entries = {f.name: tree_cache.TreeCacheEntry(size=f.stat().st_size, blob_id="0" * 40) for f in tiny[0].iterdir()}
+    entries["original/consolidated.00.pth"] = tree_cache.TreeCacheEntry(size=10, blob_id="1" * 40)
+    tree_cache.write_tree_cache(str(repo), COMMIT, entries)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError
+    with pytest.raises(IncompleteSnapshotError):  # what the resolver has to get past
+        snapshot_download("acme/Tiny-Llama", cache_dir=hf_cache, local_files_only=True)
+    assert model_names.resolve_name("acme/Tiny-Llama") == repo / "snapshots" / COMMIT
+    assert greedy("acme/Tiny-Llama") == greedy(tiny[0])
+
+
+def test_a_gguf_repo_with_a_config_json_gives_its_gguf(hf_cache, ggufs, tmp_path, no_network):
+    """GGUF repositories often ship a config.json beside their .gguf files and no safetensors: the
+    name is the GGUF file (one of them), not a checkpoint folder that has no weights."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copyfile(ggufs[0], src / "tiny.Q8_0.gguf")
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    snap = hf_cache_with(hf_cache, "acme/Tiny-GGUF", src)
+    assert model_names.resolve_name("acme/Tiny-GGUF") == snap / "tiny.Q8_0.gguf"
+    assert greedy("acme/Tiny-GGUF") == greedy(ggufs[0])
+    shutil.copyfile(ggufs[1], src / "tiny.Q4_K_M.gguf")
+    hf_cache_with(hf_cache, "acme/Two-GGUF", src)
+    with pytest.raises(UserError, match=r"holds 2 GGUF files \(tiny.Q4_K_M.gguf, tiny.Q8_0.gguf\); give the path"):
+        model_names.resolve_name("acme/Two-GGUF")
+    (src / "tiny.Q4_K_M.gguf").unlink()
+    (src / "tiny.Q8_0.gguf").unlink()
+    hf_cache_with(hf_cache, "acme/Config-Only", src)
+    with pytest.raises(UserError, match="has a config.json but no .safetensors weights"):
+        model_names.resolve_name("acme/Config-Only")
+
+
+def test_a_revision_cannot_leave_the_repository(hf_cache, no_network):
+    for bad in ("acme/Tiny-Llama@../../x", "acme/Tiny-Llama@a/../b", "acme/Tiny-Llama@.hidden"):
+        with pytest.raises(UserError, match="is not a revision"):
+            model_names.resolve_name(bad)
 
 
 def test_an_existing_path_wins_over_a_name(tmp_path, monkeypatch, tiny):
@@ -222,11 +270,11 @@ def test_a_manifest_without_a_gguf_model_layer_is_refused(ollama, tmp_path, no_n
 
 def test_cli_reports_a_missing_name_without_a_traceback(ollama, hf_cache, capsys, no_network):
     from offload_engine.apps.cli import main
-    assert main(["generate", "--target", "ollama:nothere", "--prompt", "x", "--max-new-tokens", "1"]) != 0
+    assert main(["generate", "--target", "ollama:nothere", "--prompt", "x", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "ollama:nothere is not in Ollama's models folder" in err and "Traceback" not in err
     assert main(["generate", "--target", "acme/Tiny-Llama", "--draft", "ollama:nothere", "--prompt", "x",
-                 "--max-new-tokens", "1"]) != 0
+                 "--max-new-tokens", "1"]) == 2
     assert "ollama:nothere" in capsys.readouterr().err
     assert os.environ["OLLAMA_MODELS"] == str(ollama)
 
@@ -311,3 +359,16 @@ def test_models_table_names_what_is_not_usable(machine, capsys, no_network):
     assert "acme/Tiny-Target" in out and "not usable:" in out and "acme/Broken: " in out
     assert main(["models", "--search", str(machine["search"] / "nothere")]) == 2
     assert "--search" in capsys.readouterr().err
+
+
+def test_drafts_pair_only_with_the_same_embedding_size():
+    """Qwen2.5's 0.5B and 7B share a tokenizer but not their vocab_size (151936, 152064): the
+    engine refuses such a pair, so `models` must not offer it."""
+    from types import SimpleNamespace
+
+    from offload_engine.apps.models import ModelRow, pair_drafts
+    big = ModelRow("big", "hf", params=7_000_000_000, tokenizer="t", _cfg=SimpleNamespace(vocab_size=152064))
+    other = ModelRow("other", "hf", params=500_000_000, tokenizer="t", _cfg=SimpleNamespace(vocab_size=151936))
+    same = ModelRow("same", "hf", params=1_000_000_000, tokenizer="t", _cfg=SimpleNamespace(vocab_size=152064))
+    pair_drafts([big, other, same])
+    assert big.drafts == ["same"] and big._draft_row is same

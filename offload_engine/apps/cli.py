@@ -595,7 +595,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     gpu = args.gpu or models.local_gpu()
     ram = parse_size(args.ram) if args.ram else psutil.virtual_memory().total
     rows, note = models.list_models([Path(d) for d in args.search], gpu, ram,
-                                    parse_size(args.vram) if args.vram else None)
+                                    parse_size(args.vram) if args.vram else None, ram_given=bool(args.ram))
     print(models.as_json(rows, note) if args.json else models.table(rows, note))
     return 0
 

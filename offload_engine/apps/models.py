@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,9 @@ from ..formats import model_names
 from ..formats.gguf_model import SIDECAR_FILE, is_sidecar
 
 DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's parameters
+# torch.cuda.get_device_name() (lowercased) -> the shipped spec sheet (`gpu_names()`)
+GPU_PATTERNS = ((r"rtx 4090", "rtx4090"), (r"rtx 3090", "rtx3090"), (r"rtx 4080", "rtx4080"),
+                (r"\bl40s?\b", "l40"), (r"a100", "a100-40gb"), (r"h100.*pcie", "h100-pcie"))
 SEARCH_DEPTH = 3
 
 
@@ -61,13 +65,13 @@ def candidates(search: list[Path]) -> list[tuple[str, str]]:
             continue
         ref = "" if "main" in e.refs else "@" + (e.refs[0] if e.refs else e.revision)
         snap = e.snapshot
-        if (snap / "config.json").exists() or (snap / "config.json").is_symlink():
+        ggufs = sorted(snap.rglob("*.gguf"))
+        checkpoint = ((snap / "config.json").exists() or (snap / "config.json").is_symlink()) and \
+            any(snap.glob("*.safetensors"))
+        if checkpoint or len(ggufs) <= 1:  # the name (its errors, if any, in its row)
             out.append((e.repo_id + ref, "hf"))
-        else:
-            ggufs = sorted(snap.rglob("*.gguf"))
-            if len(ggufs) == 1:
-                out.append((e.repo_id + ref, "hf"))
-            out += [(str(p), "hf") for p in ggufs] if len(ggufs) > 1 else []
+        else:  # several quantizations of one model: each file is a model
+            out += [(str(p), "hf") for p in ggufs]
     out += [(model_names.OLLAMA_PREFIX + e.name, "ollama") for e in model_names.ollama_entries()]
     for root in search:
         root = Path(root).expanduser()
@@ -168,18 +172,22 @@ def _vocab_digest(folder: Path) -> str:
 
 
 def pair_drafts(rows: list[ModelRow]) -> None:
-    """Every usable row's possible drafts: same vocabulary, at most DRAFT_RATIO of its parameters."""
+    """Every usable row's possible drafts: same vocabulary (tokens and embedding rows), at most
+    DRAFT_RATIO of its parameters."""
     usable = [r for r in rows if not r.error]
     for r in usable:
         small = [d for d in usable if d is not r and d.tokenizer and d.tokenizer == r.tokenizer
+                 and d._cfg.vocab_size == r._cfg.vocab_size  # the engine refuses another embedding size
                  and d.params <= DRAFT_RATIO * r.params]
         small.sort(key=lambda d: -d.params)
         r.drafts = [d.name for d in small]
         r._draft_row = small[0] if small else None
 
 
-def place_and_predict(rows: list[ModelRow], gpu: str | None, ram: int, vram: int | None) -> str:
-    """Fill layers and predictions; returns what the predictions assume, in words."""
+def place_and_predict(rows: list[ModelRow], gpu: str | None, ram: int, vram: int | None,
+                      ram_given: bool = False) -> str:
+    """Fill layers and predictions; returns what the predictions assume, in words. Without a
+    spec sheet the layers are placed by this machine's planner, under --ram/--vram when given."""
     from ..planning import simulator
     from ..planning.hw_profile import load_gpu_spec
     spec = load_gpu_spec(gpu) if gpu else None
@@ -187,22 +195,27 @@ def place_and_predict(rows: list[ModelRow], gpu: str | None, ram: int, vram: int
         if r.error:
             continue
         if spec is None:
-            _place_here(r)
+            _place_here(r, ram if ram_given else None, vram)
             continue
         draft = r._draft_row
         try:
             plain = simulator.simulate(spec, ram, r._cfg, None, r._precision, vram=vram)
-            r.plain_s_per_token = plain.plain_seconds_per_token
-            p = plain.plan
-            r.layers = {"device": len(p.resident_layers), "ram": len(p.ram_layers), "disk": len(p.disk_layers)}
-            if draft is not None:
-                sim = simulator.simulate(spec, ram, r._cfg, draft._cfg, r._precision, vram=vram,
-                                         draft_precision=draft._precision)
-                r.tree_s_per_token = sim.choice.seconds_per_token
-                r.tree = f"({sim.choice.budget},{sim.choice.depth})"
-                r.draft = r.drafts[0]
         except UserError as e:
             r.error = f"does not fit: {e}"
+            continue
+        r.plain_s_per_token = plain.plain_seconds_per_token
+        p = plain.plan
+        r.layers = {"device": len(p.resident_layers), "ram": len(p.ram_layers), "disk": len(p.disk_layers)}
+        if draft is not None:
+            try:  # a draft that does not fit beside it leaves the plain prediction standing
+                sim = simulator.simulate(spec, ram, r._cfg, draft._cfg, r._precision, vram=vram,
+                                         draft_precision=draft._precision)
+            except UserError as e:
+                r.tree = f"not with {r.drafts[0]}: {e}"
+                continue
+            r.tree_s_per_token = sim.choice.seconds_per_token
+            r.tree = f"({sim.choice.budget},{sim.choice.depth})"
+            r.draft = r.drafts[0]
     if spec is None:
         return ("no GPU spec sheet for this machine: layers as the planner would place them here; give "
                 "--gpu NAME (rtx4090, rtx3090, l40, ...) for predicted speeds")
@@ -210,10 +223,10 @@ def place_and_predict(rows: list[ModelRow], gpu: str | None, ram: int, vram: int
             "Sequoia paper's Llama3-70B/8B acceptance; `sequoia-offload simulate` explains the assumptions)")
 
 
-def _place_here(r: ModelRow) -> None:
+def _place_here(r: ModelRow, ram: int | None, vram: int | None) -> None:
     from ..engine import plan_only
     try:
-        plan = plan_only(r._folder)[0]
+        plan = plan_only(r._folder, ram=ram, vram=vram)[0]
     except UserError as e:
         r.error = f"does not fit: {e}"
         return
@@ -225,15 +238,18 @@ def local_gpu() -> str | None:
     import torch
     if not torch.cuda.is_available():
         return None
-    from ..planning.hw_profile import gpu_names
-    name = torch.cuda.get_device_name(0).lower().replace(" ", "").replace("-", "")
-    for known in gpu_names():
-        if known.replace("-", "").split("gb")[0] in name:
-            return known
+    name = torch.cuda.get_device_name(0).lower()
+    if "laptop" in name or "mobile" in name:  # other memory and clocks than the desktop part's sheet
+        return None
+    memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    for pattern, sheet in GPU_PATTERNS:
+        if re.search(pattern, name) and (sheet != "a100-40gb" or memory_gb < 60):
+            return sheet
     return None
 
 
-def list_models(search: list[Path], gpu: str | None, ram: int, vram: int | None) -> tuple[list[ModelRow], str]:
+def list_models(search: list[Path], gpu: str | None, ram: int, vram: int | None,
+                ram_given: bool = False) -> tuple[list[ModelRow], str]:
     rows = [inspect(name, source) for name, source in candidates(search)]
     pair_drafts(rows)
     default = next((r for r in rows if r.name == "default" and not r.error), None)
@@ -246,7 +262,7 @@ def list_models(search: list[Path], gpu: str | None, ram: int, vram: int | None)
             default.drafts.insert(0, "default")
         except UserError:
             pass
-    return rows, place_and_predict(rows, gpu, ram, vram)
+    return rows, place_and_predict(rows, gpu, ram, vram, ram_given)
 
 
 def as_json(rows: list[ModelRow], note: str) -> str:

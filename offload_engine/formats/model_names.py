@@ -30,6 +30,7 @@ OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 GGUF_MAGIC = b"GGUF"
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$")
+_HF_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")  # no "..", no "//"
 
 
 def hf_cache_dir() -> Path:
@@ -104,12 +105,23 @@ def resolve_hf(value: str) -> Path:
         raise UserError(f"{value!r}: not a path that exists, 'default', a Hugging Face id (org/name[@revision]) "
                         "or ollama:NAME[:TAG]")
     repo_id, _, revision = value.partition("@")
+    if revision and (".." in revision or not _HF_REVISION.match(revision)):
+        raise UserError(f"{value}: {revision!r} is not a revision (a branch, tag or full commit hash)")
     cache = hf_cache_dir()
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+    try:  # huggingface_hub >= 1.x: a snapshot known to lack files of its repo (--include/--exclude)
+        from huggingface_hub.errors import IncompleteSnapshotError
+    except ImportError:  # older versions never raise it
+        IncompleteSnapshotError = ()  # noqa: N806
     try:
         snapshot = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache,
                                           local_files_only=True))
+    except IncompleteSnapshotError as e:
+        # a partial download (`huggingface-cli download --include/--exclude`): what it holds may be all
+        # a model needs (the safetensors without the original/ weights, one GGUF of several quants);
+        # checked_snapshot and the loader name anything missing
+        snapshot = Path(e.snapshot_path)
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError, OSError):
         found = [e.repo_id for e in hf_entries(cache)]
         what = f"revision {revision!r} of {repo_id}" if revision and repo_id in found else repo_id
@@ -128,15 +140,19 @@ def checked_snapshot(snapshot: Path, name: str) -> Path:
         raise UserError(f"{name}: {len(broken)} file(s) of snapshot {snapshot} point at missing blobs "
                         f"({', '.join(broken[:5])}): the download was interrupted or the cache pruned; "
                         "download it again")
-    if (snapshot / "config.json").is_file():
+    config = (snapshot / "config.json").is_file()
+    if config and any(snapshot.glob("*.safetensors")):
         return snapshot
-    ggufs = sorted(snapshot.rglob("*.gguf"))
+    ggufs = sorted(snapshot.rglob("*.gguf"))  # (GGUF repos often ship a config.json too)
     if len(ggufs) == 1:
         return ggufs[0]
     if ggufs:
         listed = ", ".join(str(p.relative_to(snapshot)) for p in ggufs[:8])
         raise UserError(f"{name}: holds {len(ggufs)} GGUF files ({listed}); give the path of the one to load, "
                         f"e.g. {ggufs[0]}")
+    if config:
+        raise UserError(f"{name}: snapshot {snapshot} has a config.json but no .safetensors weights (pickled "
+                        "weights are never loaded); download its safetensors files")
     raise UserError(f"{name}: snapshot {snapshot} has neither a config.json nor a GGUF file: not a model "
                     "this runtime can load")
 

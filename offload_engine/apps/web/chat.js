@@ -7,24 +7,47 @@ const STORE = "sequoia-offload.chats";
 const SETTINGS = "sequoia-offload.settings";
 const $ = (id) => document.getElementById(id);
 
-let state = load(STORE, { order: [], chats: {}, active: null });
+let storageProblem = "";  // shown once the page is up: stored data that could not be used
+let state = load(STORE, { order: [], chats: {}, active: null }, validChats);
 // maxTokens "": no limit sent, the answer may use the rest of the context (the server's default)
-let settings = load(SETTINGS, { system: "", temperature: 0.7, maxTokens: "", apiKey: "" });
+let settings = load(SETTINGS, { system: "", temperature: 0.7, maxTokens: "", apiKey: "" }, validSettings);
 let modelName = null;
 let controller = null;  // the AbortController of the answer being streamed
 
-function load(key, fallback) {
+function validChats(v) {
+  if (!Array.isArray(v.order) || !v.chats || typeof v.chats !== "object") return false;
+  return Object.values(v.chats).every((c) => c && typeof c.title === "string" && Array.isArray(c.messages) &&
+    c.messages.every((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string"));
+}
+
+function validSettings(v) {
+  return typeof v.system === "string" && typeof v.apiKey === "string" && Number.isFinite(Number(v.temperature)) &&
+    (v.maxTokens === "" || Number.isFinite(Number(v.maxTokens)));
+}
+
+function load(key, fallback, valid) {
+  const raw = localStorage.getItem(key);
+  if (raw === null) return fallback;
   try {
-    const value = JSON.parse(localStorage.getItem(key));
-    return value && typeof value === "object" ? Object.assign(fallback, value) : fallback;
-  } catch (e) {
-    return fallback;
-  }
+    const value = Object.assign({}, fallback, JSON.parse(raw));
+    if (valid(value)) return value;
+  } catch (e) { /* not JSON */ }
+  // another page on this origin, or an older version, wrote something else: keep a copy, start afresh
+  localStorage.setItem(key + ".unreadable", raw);
+  storageProblem = "Stored " + (key === STORE ? "conversations" : "settings") + " could not be read and were " +
+    "set aside (kept in local storage as " + key + ".unreadable).";
+  return fallback;
 }
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(state));
-  localStorage.setItem(SETTINGS, JSON.stringify(settings));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(state));
+    localStorage.setItem(SETTINGS, JSON.stringify(settings));
+    return true;
+  } catch (e) {  // QuotaExceededError: the browser's storage for this page is full
+    showError("This browser's storage is full, so the conversation is not saved: delete old conversations.");
+    return false;
+  }
 }
 
 function newChat() {
@@ -102,7 +125,8 @@ function messageNode(m) {
   const text = el("div", "text");
   renderText(text, m.content);
   node.appendChild(text);
-  const stats = el("div", "stats", [statsLine(m.stats), m.stopped ? "stopped" : ""].filter(Boolean).join(" \u00b7 "));
+  const notes = [statsLine(m.stats), m.stopped ? "stopped" : "", m.cut ? "cut off: " + m.cut : ""];
+  const stats = el("div", "stats", notes.filter(Boolean).join(" \u00b7 "));
   if (m.role === "assistant") node.appendChild(stats);
   return node;
 }
@@ -131,7 +155,7 @@ function render() {
 }
 
 function removeChat(id) {
-  if (controller && id === state.active) return;
+  if (controller) return;  // (a re-render would detach the answer being streamed)
   delete state.chats[id];
   state.order = state.order.filter((x) => x !== id);
   if (state.active === id) state.active = state.order[0] || null;
@@ -158,7 +182,10 @@ async function explain(response) {
   try {
     message = (await response.json()).error.message;
   } catch (e) { /* not our JSON */ }
-  if (response.status === 401) return "The server needs an API key, or the key given is wrong: set it under Settings.";
+  if (response.status === 401) {
+    return (settings.apiKey ? "The API key given is wrong" : "The server needs an API key") +
+      " (" + (message || "401") + "): set it under Settings.";
+  }
   if (response.status === 429) return "The server is busy with other answers (its queue is full). Try again in a moment.";
   return "The server answered " + response.status + (message ? ": " + message : "");
 }
@@ -207,8 +234,10 @@ async function send(text) {
     }
   } catch (e) {
     if (e.name === "AbortError") answer.stopped = true;
+    else if (e instanceof SyntaxError) failed = "The server sent something that is not an answer stream.";
     else failed = "Cannot reach the server: is `sequoia-offload serve` still running?";
   }
+  if (failed && answer.content) answer.cut = failed;  // part of an answer came: keep it, marked
   controller = null;
   busy(false);
   if (failed && !answer.content) {  // nothing came: take the turn back, so that it can be sent again
@@ -228,7 +257,7 @@ async function readStream(response, answer, node) {
   let buffer = "";
   for (;;) {
     const { done, value } = await reader.read();
-    if (done) return null;
+    if (done) return "the stream ended before the answer did";
     buffer += decoder.decode(value, { stream: true });
     let cut;
     while ((cut = buffer.indexOf("\n\n")) >= 0) {
@@ -296,4 +325,5 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   render();
   refreshStatus();
+  if (storageProblem) showError(storageProblem);
 });
