@@ -12,7 +12,6 @@ saying why, only where either is missing."""
 import json
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +103,14 @@ def answers(browser):
     return browser.find_elements("css selector", "#messages .msg.assistant")
 
 
+def last_answer(browser, part: str) -> str:
+    """The shown text of the last answer's part (".text" or ".stats"), read in one call in the page:
+    the page re-renders its messages when an answer ends, so an element held here could go stale."""
+    return browser.execute_script(
+        "const a = [...document.querySelectorAll('#messages .msg.assistant')].pop();"
+        "const el = a && a.querySelector(arguments[0]); return el ? el.innerText : '';", part)
+
+
 def stored(browser) -> dict:
     data = json.loads(browser.execute_script("return localStorage.getItem('sequoia-offload.chats')"))
     return data["chats"][data["active"]]
@@ -120,17 +127,21 @@ def test_a_streamed_answer_appears_piece_by_piece_with_its_stats(browser, server
     set_field(browser, "temperature", 0)
     set_field(browser, "max-tokens", 24)
     set_field(browser, "system", "Be brief.")
+    # every text the answer shows on its way, recorded in the page (polling from here could miss
+    # them on a loaded machine)
+    browser.execute_script("""
+        window.seenTexts = [];
+        new MutationObserver(() => {
+          const last = [...document.querySelectorAll('#messages .msg.assistant .text')].pop();
+          const text = last ? last.textContent : '';
+          if (text && window.seenTexts[window.seenTexts.length - 1] !== text) window.seenTexts.push(text);
+        }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
+    """)
     send(browser, "Hello there, how are you?")
-    seen = set()
-    deadline = time.monotonic() + 60
-    while not idle(browser) or not answers(browser):
-        if answers(browser):
-            seen.add(answers(browser)[-1].find_element("css selector", ".text").get_attribute("textContent"))
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    partial = {t for t in seen if t}
+    assert wait_for(lambda: idle(browser) and answers(browser), 60), page_state(browser)
+    partial = browser.execute_script("return window.seenTexts")
     assert len(partial) >= 2, f"the answer did not stream in pieces: {partial}"
-    stats = answers(browser)[-1].find_element("css selector", ".stats").text
+    stats = last_answer(browser, ".stats")
     assert "tokens/s" in stats and "tokens/step" in stats and "prompt tokens reused" in stats, stats
     expected = engine.generate(messages=[{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Hello there, how are you?"}],
@@ -146,13 +157,13 @@ def test_stop_cancels_the_generation_on_the_server(browser, server, engine, monk
     set_field(browser, "max-tokens", 400)
     before = health((server,))
     send(browser, "Tell me a long story.")
-    until(lambda: answers(browser) and answers(browser)[-1].find_element("css selector", ".text").text,
+    until(lambda: last_answer(browser, ".text"),
           what="the first words")
     browser.find_element("id", "stop").click()
     until(lambda: health((server,))["cancelled"] == before["cancelled"] + 1 and not health((server,))["busy"],
           timeout=10, what="the server to cancel")
     until(lambda: idle(browser), what="the send button")
-    assert "stopped" in answers(browser)[-1].find_element("css selector", ".stats").text
+    assert "stopped" in last_answer(browser, ".stats")
     assert health((server,))["completed"] == before["completed"]
 
 
