@@ -33,6 +33,10 @@ alone ("suffix": no draft levels, the draft catching up later) and both ("hybrid
 seconds per token: the profile's step model for the costs, and for the suffix proposal's worth a
 `SuffixEstimate` by match length, learned from every step's output.
 
+With suffix drafts alone (`--draft suffix`, no model), a `SuffixGate` weighs each proposal the
+same way against plain decoding, its costs measured from the steps themselves (there is no draft
+to profile), and runs it whole, trimmed to its most probable nodes, or not at all.
+
 A planner belongs to one request temperature (greedy and sampled requests never share one);
 what it learned carries over from one generation to the next.
 
