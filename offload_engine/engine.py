@@ -150,11 +150,11 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
     if str(draft) == "default":
         folder = default_draft_dir(target_folder, progress)
     else:
-        path = Path(draft).expanduser()
-        if not is_model_name(str(draft)) and not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
+        path, named = Path(draft).expanduser(), is_model_name(str(draft))
+        if not named and not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
             raise UserError(f"--draft {draft}: not a checkpoint folder, a .gguf file, a Hugging Face id "
                             f"(org/name), ollama:NAME, 'default', {' or '.join(repr(k) for k in SELF_DRAFTS)}")
-        folder = resolve_target(str(draft) if is_model_name(str(draft)) else path, progress)
+        folder = resolve_target(str(draft) if named else path, progress)
     draft_cfg = load_config(folder)
     if is_sidecar(folder):  # resident in its own block formats
         ckpt = open_checkpoint(folder, draft_cfg)
@@ -463,9 +463,9 @@ class Engine:
         drafter = gate = None
         if self.suffix_store is not None:
             drafter = SuffixDrafter(ids, self.suffix_store.snapshot(suffix_key), MAX_PATTERN + 1)
-            if self.suffix_gated and self.draft is None:
+            if self.suffix_gated:  # (per request temperature, as the planners are)
                 from .planning.adaptive import SuffixGate
-                gate = self.gates.setdefault(round(params.temperature, 3) if not params.greedy else 0.0, SuffixGate())
+                gate = self.gates.setdefault(round(params.temperature, 3), SuffixGate())
                 gate_start = (gate.runs, gate.skips)
         choose = planner.choose_arm if planner is not None and drafter is not None else gate.choose if gate else None
         decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,

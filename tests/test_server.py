@@ -488,3 +488,17 @@ def test_suffix_drafts_keep_one_store_per_api_key_and_per_conversation(tmp_path)
             assert (other["store_matched_steps"] >= 1) == shared, (shared, other)
     finally:
         engine.close()
+
+
+def test_the_chat_page_files_are_served_as_shipped_with_a_strict_policy(live):
+    """/, /chat.js and /chat.css are the package's files byte for byte (a query string changes
+    nothing), without a key, each with its type and the page's security headers."""
+    from offload_engine.apps.server import WEB_DIR
+    for path, name, kind in (("/", "index.html", "text/html"), ("/chat.js?body=x", "chat.js", "text/javascript"),
+                             ("/chat.css", "chat.css", "text/css")):
+        with urllib.request.urlopen(live[0].url + path, timeout=30) as r:
+            assert r.read() == (WEB_DIR / name).read_bytes()
+            assert r.headers["Content-Type"].startswith(kind)
+            assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+            assert "default-src 'none'" in r.headers["Content-Security-Policy"]
+            assert r.headers["X-Content-Type-Options"] == "nosniff"

@@ -132,9 +132,9 @@ def inspect(name: str, source: str) -> ModelRow:
 
 
 def parameters(cfg) -> int:
-    from ..formats.checkpoint import global_shapes, layer_shapes
-    return (sum(math.prod(s) for s in global_shapes(cfg).values())
-            + cfg.num_layers * sum(math.prod(s) for s in layer_shapes(cfg).values()))
+    from ..formats.checkpoint import global_shapes
+    from ..planning.simulator import layer_params
+    return sum(math.prod(s) for s in global_shapes(cfg).values()) + cfg.num_layers * layer_params(cfg)
 
 
 def _gguf_formats() -> tuple[str, ...]:

@@ -451,22 +451,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | list[str] | None 
             raise bad("the request body must be a JSON object")
         return body
 
-    pages = {name: (WEB_DIR / name).read_bytes() for name in WEB_FILES}
+    def static_page(body: bytes, media_type: str):
+        async def page() -> Response:  # (no parameters: nothing a request sends reaches the response)
+            return Response(body, media_type=media_type, headers=WEB_HEADERS)
+        return page
 
-    def page(name: str) -> Response:
-        return Response(pages[name], media_type=WEB_FILES[name], headers=WEB_HEADERS)
-
-    @app.get("/")
-    async def chat_page():
-        return page("index.html")
-
-    @app.get("/chat.js")
-    async def chat_script():
-        return page("chat.js")
-
-    @app.get("/chat.css")
-    async def chat_style():
-        return page("chat.css")
+    for name, media_type in WEB_FILES.items():  # read once, served from memory
+        app.add_api_route("/" if name == "index.html" else "/" + name,
+                          static_page((WEB_DIR / name).read_bytes(), media_type), methods=["GET"],
+                          include_in_schema=False)
 
     @app.get("/health")
     async def health(request: Request):

@@ -261,21 +261,28 @@ class SuffixGate:
         self.slopes: deque[float] = deque(maxlen=GATE_WINDOW)
         self.runs = self.skips = 0
 
-    def pass_seconds(self, n: int) -> float | None:
+    def _model(self) -> tuple[float, float] | None:
+        """(t1, slope) of the pass-time model, None before a plain step has been measured."""
         if not self.plain_times:
             return None
         slope = statistics.median(self.slopes) if self.slopes else 0.0
-        return statistics.median(self.plain_times) + max(0.0, slope) * (n - 1)
+        return statistics.median(self.plain_times), max(0.0, slope)
+
+    def pass_seconds(self, n: int) -> float | None:
+        model = self._model()
+        return None if model is None else model[0] + model[1] * (n - 1)
 
     def choose(self, proposal: SuffixProposal) -> tuple[str, SuffixProposal]:
         """("suffix", the proposal or its most probable part) or ("model", it): plain decoding."""
-        if self.pass_seconds(1) is None:  # nothing measured yet: SuffixDecoding's rule
+        model = self._model()
+        if model is None:  # nothing measured yet: SuffixDecoding's rule
             self.runs += 1
             return "suffix", proposal
-        best, best_rate = None, 1.0 / self.pass_seconds(1)
+        t1, slope = model
+        best, best_rate = None, 1.0 / t1
         for k in sorted({min(k, proposal.size - 1) for k in GATE_SIZES}, reverse=True):
             part = _trimmed(proposal, k)
-            rate = (1.0 + sum(self.suffix.reach(part))) / self.pass_seconds(1 + k)
+            rate = (1.0 + sum(self.suffix.reach(part))) / (t1 + slope * k)
             if rate > best_rate:
                 best, best_rate = part, rate
         if best is None:
