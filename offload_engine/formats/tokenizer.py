@@ -1,17 +1,15 @@
-"""Tokenizer (tokenizer.json through `tokenizers`) and chat template (sandboxed jinja2)."""
+"""Tokenizer (tokenizer.json through `tokenizers`) and chat template (sandboxed jinja2 in a worker process)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import UserError
 from .config import read_json_object
+from .template_sandbox import TemplateFailure, shared_sandbox
 
 
 def _token_content(value: Any) -> str | None:
@@ -21,8 +19,20 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _raise_exception(message: str):
-    raise TemplateError(message)
+def _checked_config(path: Path, config: dict) -> dict:
+    """tokenizer_config.json's special tokens and chat template have the types __init__ reads."""
+    for key in ("bos_token", "eos_token"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, str) and not (
+                isinstance(value, dict) and isinstance(value.get("content"), str)):
+            raise UserError(f"{path}: {key} must be text or {{\"content\": text}}, got {repr(value)[:60]}")
+    template = config.get("chat_template")
+    if template is not None and not isinstance(template, str) and not (isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str) and isinstance(t.get("name"), (str, type(None)))
+            for t in template)):
+        raise UserError(f"{path}: chat_template must be text or a list of {{\"name\", \"template\"}} objects, "
+                        f"got {repr(template)[:60]}")
+    return config
 
 
 class Tokenizer:
@@ -37,7 +47,6 @@ class Tokenizer:
         self.eos_token = _token_content(config.get("eos_token"))
         self.bos_token_id = self.token_to_id(self.bos_token)
         self.eos_token_id = self.token_to_id(self.eos_token)
-        self._template = None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
@@ -47,13 +56,18 @@ class Tokenizer:
             raise UserError(f"{folder}: no tokenizer.json")
         try:
             tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust library raises a bare Exception
-            raise UserError(f"{path}: cannot load tokenizer ({e})") from None
+        except BaseException as e:  # a bare Exception from the Rust library, or its panic (a BaseException)
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            raise UserError(f"{path}: cannot load tokenizer ({' '.join(str(e).split())[:300]})") from None
         config_path = folder / "tokenizer_config.json"
-        config = read_json_object(config_path) if config_path.is_file() else {}
+        config = _checked_config(config_path, read_json_object(config_path) if config_path.is_file() else {})
         template_path = folder / "chat_template.jinja"
         if template_path.is_file() and not config.get("chat_template"):
-            config["chat_template"] = template_path.read_text(encoding="utf-8")
+            try:
+                config["chat_template"] = template_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise UserError(f"{template_path}: cannot read the chat template ({e})") from None
         return cls(tok, config, folder)
 
     @property
@@ -71,23 +85,20 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the checkpoint's chat template in a sandbox (no file, attribute or import access)."""
+        """Render the checkpoint's chat template in a sandbox: no attribute, file or import
+        access (jinja2's immutable sandbox), within a time and a memory bound (a worker process,
+        `template_sandbox`)."""
         if not self.chat_template:
             raise UserError(f"{self.source}: the checkpoint has no chat template "
                             "(tokenizer_config.json 'chat_template'); use a plain prompt instead of --chat")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            try:
-                self._template = env.from_string(self.chat_template)
-            except TemplateError as e:
-                raise UserError(f"{self.source}: chat template does not parse ({e})") from None
+        context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except Exception as e:  # the template is the checkpoint's code: any failure is its input's fault
-            raise UserError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
+            return shared_sandbox().render(self.chat_template, context)
+        except TemplateFailure as e:  # the template is the checkpoint's code: any failure is its input's fault
+            if e.kind == "syntax":
+                raise UserError(f"{self.source}: chat template {e}") from None
+            raise UserError(f"{self.source}: chat template failed on these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The template writes BOS and control tokens itself, so no special tokens are added."""
