@@ -129,3 +129,13 @@ def shared_sandbox() -> TemplateSandbox:
         if _shared is None:
             _shared = TemplateSandbox()
         return _shared
+
+
+def _forget_in_child() -> None:
+    """A forked child starts its own worker: the parent's pipes (and its lock, which another
+    thread may have held at the fork) are not the child's to use."""
+    global _shared, _shared_lock
+    _shared, _shared_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
