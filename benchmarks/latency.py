@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> dict:
         modes = [m for m in modes if m["mode"] in wanted | {"plain-streamed"}]
     if args.fresh_profile:
         _forget_profile(args)
-    # Interleaved: prompt by prompt, every mode in turn, so that a slow stretch of a shared disk
+    # Interleaved: prompt by prompt, every mode in turn (each prompt starting with the next mode,
+    # so that no mode always runs right after another), so that a slow stretch of a shared disk
     # or CPU falls on all modes alike (the ratios are what this benchmark is for). --sequential
     # loads one engine at a time instead (a target that cannot be loaded several times over).
     groups = [[m] for m in modes] if args.sequential else [modes]
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> dict:
                     if e.suffix_store is not None:
                         e.suffix_store.clear()
                 for i, item in enumerate(prompts):
-                    for m in group:
+                    for m in group[i % len(group):] + group[:i % len(group)]:  # each mode first in turn
                         _add(accs[m["mode"]], engines[m["mode"]], item, i, t, args.max_new_tokens)
                 for m in group:
                     r = _finish_mode(accs[m["mode"]])
