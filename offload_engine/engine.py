@@ -110,7 +110,7 @@ class _Setup:
 
 def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_batch_tokens,
            progress, draft=None, draft_group_size: int = DEFAULT_GROUP_SIZE, cache_slots: int = 1,
-           weights: str = "auto") -> _Setup:
+           weights: str = "auto", verify_reads: bool = False) -> _Setup:
     """Everything Engine.load decides before loading a byte: checked flags, config and the plan."""
     dev = resolve_device(device)
     dt = parse_dtype(dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -124,7 +124,7 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     if limit > cfg.max_context:
         raise UserError(f"--max-context {limit} exceeds the model's limit of {cfg.max_context} tokens")
     opts = OffloadOptions(offload, vram, ram, buffers, max_batch_tokens, cache_slots=cache_slots,
-                          weights=parse_weights(weights))
+                          weights=parse_weights(weights), verify_reads=verify_reads)
     ckpt = open_checkpoint(folder, cfg)
     try:  # each layer's stored formats and bytes, from the headers
         layout = store_layout(ckpt, dt, opts.weights)
@@ -271,7 +271,7 @@ class Engine:
              specinfer_width: int = 4,
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
              cache_slots: int = 1, weights: str = "auto", adapt: bool = True,
-             suffix_memory: int = DEFAULT_MEMORY, progress: bool = True) -> "Engine":
+             suffix_memory: int = DEFAULT_MEMORY, verify_reads: bool = False, progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -292,7 +292,8 @@ class Engine:
         steps from what its steps measure (`planning.adaptive`); adapt=False keeps the choice fixed.
         draft "suffix" drafts from text already seen, with no model (`speculation.suffix`): the
         prompt and output so far and a store of earlier requests' (`suffix_memory` tokens at most);
-        "X+suffix" grafts those drafts onto draft X's trees.
+        "X+suffix" grafts those drafts onto draft X's trees. Each streamed layer block is checked
+        against its build-time checksum on its first read; `verify_reads` checks every disk read.
         """
         draft, use_suffix = split_draft(draft)
         if use_suffix and suffix_memory < 0:
@@ -310,7 +311,8 @@ class Engine:
                               specinfer_width, acceptance)
         widest = (spec.max_nodes if draft is not None else 1) + suffix_nodes
         s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
-                   max(max_batch_tokens, widest), progress, draft, draft_group_size, cache_slots, weights)
+                   max(max_batch_tokens, widest), progress, draft, draft_group_size, cache_slots, weights,
+                   verify_reads)
         tokenizer = Tokenizer.from_folder(s.folder)
         if tokenizer.vocab_size > s.cfg.vocab_size:
             raise UserError(f"{s.folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "

@@ -10,11 +10,17 @@ copy, and reading it from disk is one aligned O_DIRECT read of exactly its bytes
 The store is built once from the checkpoint into the cache folder (in a temporary folder that is
 renamed into place when complete) and keyed by the checkpoint's files, the compute dtype and the
 `--weights` choice, so a changed checkpoint or choice gets a new store and a half-built one is
-never trusted.
+never trusted. A build checks the free space first and turns a disk that fills up meanwhile into
+one clear error, leaving nothing behind.
+
+Each block's CRC-32 is written into `layout.json` at build time and checked as blocks are read
+back (runtime/block_reader.py): on a block's first read after the store is opened, and on every
+read with `--verify-reads`; RAM-tier blocks when they are loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -34,12 +40,14 @@ from ..errors import UserError
 from ..formats.checkpoint import layer_shapes
 from ..formats.config import DTYPE_NAMES, ModelConfig
 from ..fsutil import remove_stale_temps
+from .block_reader import BLOCK_ALIGN, BlockReader, block_checksum, check_block, io_error, read_error
 from .blocks import (FLOAT_FORMATS, FORMAT_OF_DTYPE, PackedWeight, check_shape, quantize, storage_format, tensor_bytes,
                      to_dense)
 
-FORMAT_VERSION = 3  # 3: the torch quantizers divide exactly on CUDA too
-BLOCK_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length all multiples of this
+FORMAT_VERSION = 4  # 3: the torch quantizers divide exactly on CUDA too; 4: a CRC-32 per block
 TENSOR_ALIGN = 256
+META_BYTES = 64 << 10  # room counted for layout.json and the folder (a 70B's is ~10 KiB)
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -209,65 +217,34 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)  # keeps `mm` alive
 
 
-class BlockReader:
-    """Reads whole layer blocks from the store file, bypassing the page cache (O_DIRECT).
-
-    Where the filesystem refuses O_DIRECT (tmpfs), it falls back to buffered reads followed by
-    posix_fadvise(DONTNEED), which also keeps the page cache from serving later passes.
-    """
-
-    def __init__(self, path: Path, layout: StoreLayout, direct: bool = True):
-        self.path, self.offsets, self.sizes = path, layout.offsets, layout.sizes
-        self.direct = direct and hasattr(os, "O_DIRECT")
-        try:
-            self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
-        except OSError as e:
-            if not self.direct:
-                raise UserError(f"{path}: cannot open the layer store ({e.strerror})") from None
-            warnings.warn(f"{path}: O_DIRECT refused ({e.strerror}); using buffered reads + fadvise(DONTNEED)")
-            self.direct = False
-            self.fd = os.open(path, os.O_RDONLY)
-
-    def read(self, layer: int, out: torch.Tensor) -> int:
-        """Fill the head of `out` (uint8, page-aligned when direct, at least the block's size)
-        with block `layer`; returns the bytes the reads returned (what the executor counts as
-        read from disk)."""
-        size, offset = self.sizes[layer], self.offsets[layer]
-        view = memoryview(out.numpy())[:size]
-        done = 0
-        while done < size:
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0 or (self.direct and n % BLOCK_ALIGN):  # a short O_DIRECT read: EOF
-                raise UserError(f"{self.path}: layer {layer} ends early (file truncated?)")
-            done += n
-        if not self.direct:
-            os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
-        return done
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
 class LayerStore:
-    """A built store: `layers.bin` (num_layers blocks) and `layout.json` in one folder."""
+    """A built store: `layers.bin` (num_layers blocks) and `layout.json` (with each block's
+    CRC-32) in one folder."""
 
-    def __init__(self, folder: Path, layout: StoreLayout):
+    def __init__(self, folder: Path, layout: StoreLayout, checksums: tuple[int, ...] | None = None):
         self.folder, self.layout, self.num_layers = folder, layout, len(layout.layouts)
         self.path = folder / "layers.bin"
+        self.checksums = checksums
 
-    def reader(self, direct: bool = True) -> BlockReader:
-        return BlockReader(self.path, self.layout, direct)
+    def reader(self, direct: bool = True, verify_every: bool = False) -> BlockReader:
+        """A reader checking each block on its first read (every read with `verify_every`)."""
+        return BlockReader(self.path, self.layout, direct, self.checksums, verify_every)
 
     def load_block(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One block into RAM through the page cache (used once, at load time, for RAM-tier layers)."""
+        """One block into RAM through the page cache, checked (used once, at load time, for
+        RAM-tier layers)."""
         size = self.layout.sizes[layer]
         out = out if out is not None else torch.empty(size, dtype=torch.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(self.layout.offsets[layer])
-            if f.readinto(memoryview(out.numpy())[:size]) != size:
-                raise UserError(f"{self.path}: layer {layer} ends early (file truncated?)")
+        view = memoryview(out.numpy())[:size]
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.layout.offsets[layer])
+                n = f.readinto(view)
+        except OSError as e:
+            raise io_error(self.path, layer, e) from None
+        if n != size:
+            raise read_error(self.path, layer, f"short read ({n} of {size} bytes: file truncated?)")
+        check_block(self.path, layer, view, None if self.checksums is None else self.checksums[layer])
         return out
 
 
@@ -284,14 +261,35 @@ def store_key(folder: Path, cfg_text: bytes, dtype: torch.dtype, weights: str = 
     return h.hexdigest()[:16]
 
 
-def _valid(folder: Path, layout: StoreLayout) -> bool:
+def _stored_checksums(folder: Path, layout: StoreLayout) -> tuple[int, ...] | None:
+    """The blocks' checksums of a complete store of this layout in `folder`, else None."""
     try:
         meta = json.loads((folder / "layout.json").read_text())
         size = (folder / "layers.bin").stat().st_size
-    except (OSError, json.JSONDecodeError):
-        return False
-    return (meta.get("format") == FORMAT_VERSION and meta.get("layout") == layout.to_json()
-            and meta.get("num_layers") == len(layout.layouts) and size == layout.total_bytes)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    sums = meta.get("checksums")
+    if not (meta.get("format") == FORMAT_VERSION and meta.get("layout") == layout.to_json()
+            and meta.get("num_layers") == len(layout.layouts) and size == layout.total_bytes
+            and isinstance(sums, list) and len(sums) == len(layout.layouts)
+            and all(isinstance(c, int) and 0 <= c < 2**32 for c in sums)):
+        return None
+    return tuple(sums)
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged process may still write on `folder`'s filesystem."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def no_space_error(root: Path, needed: int, free: int, during: bool) -> UserError:
+    when = "the disk filled up while the layer store was written: " if during else ""
+    return UserError(f"{root}: {when}the layer store needs {needed} bytes ({needed / 2**20:.1f} MiB) and "
+                     f"{free} bytes ({free / 2**20:.1f} MiB) are free; free some space there, or set "
+                     f"XDG_CACHE_HOME to a folder on a larger disk")
 
 
 def open_or_build(ckpt, dtype: torch.dtype, root: Path, progress: bool = True, weights: str = "auto",
@@ -301,24 +299,43 @@ def open_or_build(ckpt, dtype: torch.dtype, root: Path, progress: bool = True, w
     layout = layout or store_layout(ckpt, dtype, weights)
     key = store_key(ckpt.folder, (ckpt.folder / "config.json").read_bytes(), dtype, weights)
     target = root / f"{ckpt.folder.resolve().name}-{key}"
-    if _valid(target, layout):
-        return LayerStore(target, layout)
+    sums = _stored_checksums(target, layout)
+    if sums is None:
+        _build(ckpt, layout, root, target, progress, weights, device)
+        sums = _stored_checksums(target, layout)
+        if sums is None:
+            raise UserError(f"{target}: the layer store just built does not read back whole")
+    return LayerStore(target, layout, sums)
+
+
+def _build(ckpt, layout: StoreLayout, root: Path, target: Path, progress: bool, weights: str,
+           device: torch.device | None) -> None:
+    """Build the store in a temporary folder renamed to `target` when complete. A disk without
+    room for it (checked first, and again when a write finds it full) is a UserError naming the
+    folder, the bytes needed and the bytes free, and leaves no partial store."""
     if target.exists():  # wrong size or layout: never trusted, rebuilt
         shutil.rmtree(target, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(root, ".*.tmp-*")
+    needed = layout.total_bytes + META_BYTES
     tmp = root / f".{target.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(root, ".*.tmp-*")
+        if free_bytes(root) < needed:
+            raise no_space_error(root, needed, free_bytes(root), during=False)
+        tmp.mkdir()
         _write_store(ckpt, layout, tmp, progress, weights, device)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _valid(target, layout):  # not a concurrent build that won
+            if _stored_checksums(target, layout) is None:  # not a concurrent build that won
                 raise
+    except OSError as e:
+        if e.errno not in _DISK_FULL:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # what it held is free again before counting
+        raise no_space_error(root, needed, free_bytes(root), during=True) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return LayerStore(target, layout)
 
 
 def stored_tensor(ckpt, name: str, fmt: str, device: torch.device | None = None) -> torch.Tensor:
@@ -359,15 +376,29 @@ def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: 
     block = torch.empty(layout.max_block, dtype=torch.uint8)
     bar = tqdm(range(len(layout.layouts)), desc=f"building layer store ({weights} weights)", unit="layer",
                leave=False, disable=None if progress else True)
-    with open(tmp / "layers.bin", "wb") as f:
+    sums = []
+    fd = os.open(tmp / "layers.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
         for i in bar:
             os.utime(tmp)  # a live build: never swept as a dead one's leftovers, however long it takes
             lay = layout.layouts[i]
             stored = {s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt, device) for s in lay.slots}
             lay.pack(stored, block[:lay.block_bytes])
-            f.write(memoryview(block[:lay.block_bytes].numpy()))
+            data = memoryview(block[:lay.block_bytes].numpy())
+            sums.append(block_checksum(data))
+            _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    meta = {"format": FORMAT_VERSION, "num_layers": len(layout.layouts), "layout": layout.to_json(),
+            "weights": weights, "source": str(ckpt.folder.resolve()), "checksum": "crc32", "checksums": sums}
+    with open(tmp / "layout.json", "w", encoding="utf-8") as f:
+        f.write(json.dumps(meta, indent=1))
         f.flush()
         os.fsync(f.fileno())
-    meta = {"format": FORMAT_VERSION, "num_layers": len(layout.layouts), "layout": layout.to_json(),
-            "weights": weights, "source": str(ckpt.folder.resolve())}
-    (tmp / "layout.json").write_text(json.dumps(meta, indent=1))
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """os.write until every byte is written (a write may take fewer; a full disk raises ENOSPC)."""
+    while data:
+        data = data[os.write(fd, data):]

@@ -28,6 +28,7 @@ class OffloadOptions:
     store_root: Path | None = None  # where packed layer stores live (default: the cache folder)
     weights: str = "auto"  # storage format of streamed layers (runtime/blocks.py: --weights)
     cache_slots: int = 1  # KV caches kept for prefix reuse (conversations); each reserved in the plan
+    verify_reads: bool = False  # checksum every disk read of a block, not only its first (--verify-reads)
 
 
 def default_buffers(device: torch.device) -> int:
@@ -81,6 +82,6 @@ def load_target(ckpt, dtype: torch.dtype, device: torch.device, plan: PlacementP
         for i in plan.ram_layers:
             ram_blocks[i] = store.load_block(i, _host_block(layout.sizes[i], device))
         if plan.disk_layers:
-            reader = store.reader(direct=opts.direct_io)
+            reader = store.reader(direct=opts.direct_io, verify_every=opts.verify_reads)
     executor = LayerExecutor(plan, layout, device, resident, ram_blocks, reader)
     return Transformer(cfg, globals_, executor, dtype, device)

@@ -8,9 +8,12 @@ runs the layer in another buffer.
 On CUDA the loader issues non-blocking copies from pinned memory on its own `copy_stream` and
 records a per-buffer `ready` event; the compute stream waits on that event (a GPU-side wait) and
 records a per-buffer `free` event after the layer, which the copy stream waits on before reusing
-the buffer. Disk-tier layers are read with O_DIRECT into pinned staging buffers first. Nothing
+the buffer. Disk-tier layers are read with O_DIRECT into pinned staging buffers first, where the
+reader checks their checksums on the CPU before any copy to the device is issued. Nothing
 inside a pass synchronises the device. On the CPU the same loop runs with the loader thread doing
-the memcpy (RAM tier) or the O_DIRECT read straight into the buffer (disk tier).
+the memcpy (RAM tier) or the O_DIRECT read straight into the buffer (disk tier). A read that fails
+(an I/O error, a short read, a checksum mismatch) stops the loader before the buffer is marked
+ready, and the compute side raises its error instead of running the layer.
 
 Two semaphores per buffer order the CPU sides: `free` (the compute side is done issuing work on
 the buffer, so its free event is recorded) and `ready` (the loader has issued or done the fill).
@@ -32,9 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UserError
 from ..formats.gguf_blocks import BLOCK_SIZES
 from .blocks import to_dense
-from .layer_store import BlockReader, StoreLayout, aligned_buffer
+from .block_reader import BlockReader
+from .layer_store import StoreLayout, aligned_buffer
 from .model import LayerWeights
 from .placement import PlacementPlan
 
@@ -257,11 +262,20 @@ class LayerExecutor:
     def _acquire(self, sem: threading.Semaphore) -> None:
         while not sem.acquire(timeout=_POLL_S):
             if self._error is not None:
-                raise RuntimeError(f"layer loader failed: {self._error}") from self._error
+                self._raise_loader_error()
             if self._stop.is_set():
                 raise RuntimeError("layer executor is closed")
         if self._error is not None:
-            raise RuntimeError(f"layer loader failed: {self._error}") from self._error
+            self._raise_loader_error()
+
+    def _raise_loader_error(self) -> None:
+        """Stop the pass with what stopped the loader: a store that cannot be read whole or
+        fails its checksum (a UserError, kept so the message reaches the user as one line),
+        or a bug. A block that failed is never handed to a layer."""
+        e = self._error
+        if isinstance(e, UserError):
+            raise UserError(str(e)) from e
+        raise RuntimeError(f"layer loader failed: {e}") from e
 
     def snapshot(self) -> StreamStats:
         """Stats so far (waits for pending CUDA timings: call between passes, never inside one)."""
