@@ -70,6 +70,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "q4_0, q4_1 with the gguf package's quantizers: a requantized, different model)")
     o.add_argument("--buffers", type=int, default=None,
                    help="layer buffers streamed layers rotate through (default: 2 on CUDA, 6 on the CPU)")
+    o.add_argument("--verify-reads", action="store_true",
+                   help="check every disk read of a layer block against its checksum (default: each block's "
+                        "first read only; see docs/streaming.md for the cost)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -239,7 +242,8 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        specinfer_width=args.specinfer_width, acceptance=_acceptance(args.acceptance),
                        draft_group_size=args.draft_group_size, cache_slots=getattr(args, "cache_slots", 1),
                        weights=args.weights, adapt=getattr(args, "adapt", True),
-                       suffix_memory=getattr(args, "suffix_memory", 1_000_000), progress=not quiet)
+                       suffix_memory=getattr(args, "suffix_memory", 1_000_000),
+                       verify_reads=getattr(args, "verify_reads", False), progress=not quiet)
 
 
 def _acceptance(path: str | None):
