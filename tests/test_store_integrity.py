@@ -173,6 +173,7 @@ def test_a_real_small_tmpfs_that_fills_up(folder, small_tmpfs, monkeypatch):
     with pytest.raises(UserError) as before:
         _build(folder, root)
     _caught("full_tmpfs_before_build", before.value, str(root), "needs", f"{layer_store.free_bytes(root)} bytes")
+    assert "filled up" not in str(before.value)  # refused by the free-space check, before any write
     assert _entries(root) == []
     # 2. room at the start, then another process fills the disk during the build: the kernel's ENOSPC
     filler.unlink()
