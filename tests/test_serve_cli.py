@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -25,15 +26,19 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, args, env=None, timeout=180):
+    """`serve` in a child process; what it prints goes to a pipe read at stop(), or to the file
+    `log` (a server answering thousands of requests would fill a pipe with its access log)."""
+
+    def __init__(self, args, env=None, timeout=180, log=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
         self.proc = subprocess.Popen([sys.executable, "-m", "offload_engine.apps.cli", "serve", "--port", str(self.port),
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+                                      *args], stdout=open(log, "w") if log else subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout
         while True:
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.output()
             assert time.monotonic() < deadline, "the server did not come up"
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -50,8 +55,12 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             out, _ = self.proc.communicate()
-            pytest.fail("the server did not stop on Ctrl-C:\n" + out)
-        return self.proc.returncode, out
+            pytest.fail("the server did not stop on Ctrl-C:\n" + (out or self.output()))
+        return self.proc.returncode, out or self.output()
+
+    def output(self) -> str:
+        """What the process printed, once it has exited (or so far, with `log`)."""
+        return Path(self.log).read_text() if self.log else self.proc.stdout.read()
 
 
 def test_serve_binds_localhost_takes_the_key_from_the_environment_and_stops_on_ctrl_c(tmp_path):
@@ -77,6 +86,10 @@ def test_serve_binds_localhost_takes_the_key_from_the_environment_and_stops_on_c
 @pytest.mark.parametrize("flags,message", [
     (["--port", "70000"], "--port must be in 1..65535"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--max-body", "0"], "--max-body must be at least 1 byte"),
+    (["--body-timeout", "0"], "--body-timeout must be more than 0 seconds"),
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 lets other machines connect: give --api-key KEY"),
+    (["--host", "192.168.1.20"], "or --insecure-no-key to serve them without one"),
 ])
 def test_serve_flag_errors_are_one_line(flags, message, capsys):
     assert main(["serve", "--target", "default", *flags]) == 2

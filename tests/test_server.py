@@ -16,7 +16,8 @@ import pytest
 import uvicorn
 
 from offload_engine import Engine
-from offload_engine.apps.server import create_app
+from offload_engine.apps.http_guards import DEFAULT_BODY_TIMEOUT_S
+from offload_engine.apps.server import create_app, uvicorn_settings
 from tiny_models import make_tiny_checkpoint
 
 KEY = "sk-test-key"
@@ -24,13 +25,16 @@ MODEL = "tiny-chat"
 
 
 class LiveServer:
-    """uvicorn serving `app` on a free port of 127.0.0.1, in a background thread."""
+    """uvicorn serving `app` on a free port of 127.0.0.1, in a background thread, with the settings
+    `serve` gives it (a deadline on each request's headers: `body_timeout_s`)."""
 
-    def __init__(self, app):
+    def __init__(self, app, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        settings = {**uvicorn_settings(body_timeout_s), "timeout_graceful_shutdown": None}  # stop() finds a hang
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **settings))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -81,11 +85,11 @@ def health(live) -> dict:
         return json.loads(r.read())
 
 
-def raw(live, path, body=None, key=KEY, method=None, timeout=60):
+def raw(live, path, body=None, key=KEY, method=None, timeout=60, content_type="application/json"):
     """(status, parsed JSON body) of one HTTP request, errors included."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     req = urllib.request.Request(live[0].url + path, data=data, method=method or ("POST" if data else "GET"),
-                                 headers={"Content-Type": "application/json",
+                                 headers={"Content-Type": content_type,
                                           **({"Authorization": f"Bearer {key}"} if key else {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "one store per API key, or per conversation without keys, since latency would reveal a match)")
     srv.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one generates; "
                      "more get HTTP 429 (default 16)")
+    srv.add_argument("--insecure-no-key", action="store_true", help="serve a --host other than this machine "
+                     "without --api-key (refused otherwise: anyone who can reach it could use the model)")
+    srv.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                     help="largest request body; larger ones get HTTP 413 unread (default 4194304, 4 MiB)")
+    srv.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                     help="seconds a client has to send a request's headers, then its body; slower ones are "
+                     "dropped (a late body gets HTTP 408; default 30)")
     srv.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                      help="let browser pages from ORIGIN (e.g. http://localhost:3000) call the API; repeatable "
                      "(default: none)")
@@ -395,21 +402,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ..formats.default_model import DEFAULT_MODEL_NAME
     from ..formats.gguf_model import display_name
-    from .server import serve
+    from .server import check_bind, check_limits, serve
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_queue < 0:
-        raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    check_limits(args.max_queue, args.max_body, args.body_timeout)
     api_key = args.api_key or os.environ.get("SEQUOIA_OFFLOAD_API_KEY") or None
     if isinstance(api_key, list) and not all(api_key):
         raise UserError("--api-key must not be empty")
+    check_bind(args.host, api_key, args.insecure_no_key)  # before the model loads: a refusal comes at once
     engine = _load(args)
     from ..formats.model_names import is_model_name
     name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else
                                args.target if is_model_name(args.target) else display_name(engine.folder))
     try:
         serve(engine, name, args.host, args.port, api_key, args.max_queue, args.cors_origin,
-              suffix_shared=args.suffix_shared)
+              suffix_shared=args.suffix_shared, max_body_bytes=args.max_body, body_timeout_s=args.body_timeout,
+              insecure_no_key=args.insecure_no_key)
     finally:
         engine.close()
     return 0

@@ -14,7 +14,7 @@ answer, so only the new message is prefilled (reported as usage.prompt_tokens_de
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import ipaddress
 import json
 import secrets
 import sys
@@ -22,23 +22,25 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from dataclasses import dataclass, field
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import Engine, GenerationResult
 from ..errors import GenerationCancelled, UserError
+from .http_guards import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimits, header_deadline_protocol
+from .openai_requests import ApiError, GenRequest, bad, parse_chat, parse_completion
 
 DEFAULT_MAX_QUEUE = 16
 KEEPALIVE_S = 10.0  # a stream waiting in the queue or on a long pass sends an SSE comment this often
-MAX_STOP_STRINGS = 4
-ROLES = {"system", "developer", "user", "assistant"}
 WEB_DIR = Path(__file__).parent / "web"  # the chat page at /: plain files, no build step, nothing from a CDN
 WEB_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
              "chat.css": "text/css; charset=utf-8"}
@@ -46,208 +48,6 @@ WEB_HEADERS = {  # only this server's own script, style and API; no framing, no 
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
                                "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: HTTP status, message, type, the offending parameter and a code."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                              429: "rate_limit_error"}.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param, code)
-
-
-# ---- request parsing ----------------------------------------------------------------------------
-
-_NUMBER = (int, float)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, _NUMBER) and not isinstance(x, bool)
-
-
-@dataclass
-class GenRequest:
-    """A checked request: the prompt's token ids and the sampling settings."""
-    ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-    user: str = ""  # OpenAI's end-user id, when the client sends one
-    conversation: str = ""  # a digest of the conversation's opening (and the user)
-
-
-def _optional(body: dict, name: str, check: Callable[[object], bool], what: str, default):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise bad(f"'{name}' must be {what}, got {json.dumps(value)[:80]}", name)
-    return value
-
-
-def _common(body: dict, engine: Engine, model_name: str, ids: list[int], default_max: int,
-            prompt_param: str) -> GenRequest:
-    """The settings chat and completions share, checked in OpenAI's terms."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("'model' is required (a string); GET /v1/models lists the served model", "model")
-    if model != model_name:
-        raise bad(f"the model '{model}' does not exist here; this server serves '{model_name}'", "model",
-                  "model_not_found")
-    n = _optional(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise bad(f"'n' must be 1 (one model on one GPU generates one answer at a time), got {n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _optional(body, name, _is_number, "a number", 0)
-        if value != 0:
-            raise bad(f"'{name}' is not supported (it would change the model's distribution); send 0 or leave it out",
-                      name)
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad("'logprobs' is not supported", "logprobs")
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported", "logit_bias")
-    temperature = _optional(body, "temperature", _is_number, "a number", 1.0)
-    if not 0 <= temperature <= 2:
-        raise bad(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
-    top_p = _optional(body, "top_p", _is_number, "a number", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = _optional(body, "top_k", _is_int, "an integer", 0)
-    if top_k < 0:
-        raise bad(f"'top_k' must be >= 0, got {top_k}", "top_k")
-    seed = _optional(body, "seed", _is_int, "an integer", None)
-    if seed is not None and not 0 <= seed < 2**63:
-        raise bad(f"'seed' must be in 0..2**63-1, got {seed}", "seed")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
-    stream = _optional(body, "stream", lambda x: isinstance(x, bool), "true or false", False)
-    options = _optional(body, "stream_options", lambda x: isinstance(x, dict), "an object", {})
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
-    room = engine.max_context - len(ids)
-    if room < 1:
-        raise bad(f"the prompt has {len(ids)} tokens; this model's context holds {engine.max_context} "
-                  "(--max-context), with room for at least one new token", prompt_param, "context_length_exceeded")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _optional(body, name, _is_int, "an integer", min(default_max, room))
-    if not 1 <= max_tokens <= room:
-        raise bad(f"'{name}' must be between 1 and {room} (the context's {engine.max_context} tokens minus the "
-                  f"prompt's {len(ids)}), got {max_tokens}", name,
-                  "context_length_exceeded" if max_tokens > room else None)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad("'user' must be a string", "user")
-    return GenRequest(ids, max_tokens, float(temperature), float(top_p), top_k, seed, stop, stream, include_usage,
-                      user or "")
-
-
-def _content_text(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts (joined); images are refused."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad(f"{where}.content: only text parts are supported, got {kind!r}", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(f"{where}.content must be a string or a list of text parts", "messages")
-
-
-def parse_chat(body: dict, engine: Engine, model_name: str) -> GenRequest:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise bad("'messages' is required: a list of {role, content} objects", "messages")
-    if not messages:
-        raise bad("'messages' is empty: send at least one message", "messages")
-    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad("tools and function calling are not supported by this server", "tools")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
-    clean = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object with 'role' and 'content'", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {json.dumps(role)}", "messages")
-        if m.get("tool_calls"):
-            raise bad(f"{where}: tool calls are not supported", "messages")
-        clean.append({"role": "system" if role == "developer" else role,
-                      "content": _content_text(m.get("content"), where)})
-    try:
-        ids = engine.tokenizer.encode_chat(clean)
-    except UserError as e:  # the checkpoint's template refused these messages (e.g. roles out of order)
-        raise bad(str(e), "messages") from None
-    req = _common(body, engine, model_name, ids, default_max=engine.max_context, prompt_param="messages")
-    # the conversation: its messages up to the first user message (the same in every later turn)
-    first_user = next((i for i, m in enumerate(clean) if m["role"] == "user"), len(clean) - 1)
-    req.conversation = _digest(req.user, json.dumps(clean[:first_user + 1]))
-    return req
-
-
-def parse_completion(body: dict, engine: Engine, model_name: str) -> GenRequest:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = engine.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        vocab = engine.config.vocab_size
-        bad_ids = [t for t in prompt if not 0 <= t < vocab]
-        if bad_ids:
-            raise bad(f"'prompt' token {bad_ids[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
-        ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad(f"'prompt' must be one prompt (batches are not supported), got {len(prompt)}", "prompt")
-    else:
-        raise bad("'prompt' is required: a string or a list of token ids", "prompt")
-    if not ids:
-        raise bad("'prompt' is empty (no tokens)", "prompt")
-    for name, allowed in (("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1))):
-        if body.get(name) not in allowed:
-            raise bad(f"'{name}' is not supported", name)
-    req = _common(body, engine, model_name, ids, default_max=16, prompt_param="prompt")  # 16: OpenAI's default
-    req.conversation = _digest(req.user, json.dumps(ids[:CONVERSATION_TOKENS]))  # its opening tokens
-    return req
-
-
-CONVERSATION_TOKENS = 32  # a completions prompt's conversation: its first tokens (a transcript grows after them)
-
-
-def _digest(user: str, opening: str) -> str:
-    return hashlib.sha256(json.dumps([user, opening]).encode()).hexdigest()
 
 
 # ---- the queue and the worker -------------------------------------------------------------------
@@ -360,6 +160,49 @@ class Scheduler:
 
 # ---- the app ------------------------------------------------------------------------------------
 
+def check_limits(max_queue: int, max_body_bytes: int, body_timeout_s: float) -> None:
+    if max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+    if max_body_bytes < 1:
+        raise UserError(f"--max-body must be at least 1 byte, got {max_body_bytes}")
+    if not body_timeout_s > 0:
+        raise UserError(f"--body-timeout must be more than 0 seconds, got {body_timeout_s}")
+
+
+def check_bind(host: str, api_key, insecure_no_key: bool) -> bool:
+    """Refuse to serve other machines without a key (anyone who can reach this one could use the
+    model) unless `insecure_no_key`; True when serving them without one."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    exposed = not (loopback or api_key)
+    if exposed and not insecure_no_key:
+        raise UserError(f"--host {host} lets other machines connect: give --api-key KEY (or SEQUOIA_OFFLOAD_API_KEY), "
+                        "or --insecure-no-key to serve them without one")
+    return exposed
+
+
+async def json_body(request: Request) -> dict:
+    """The request's JSON object: sent as application/json (a browser page from another origin cannot
+    send that without asking first, as it can send text/plain), within `BodyLimits`, parsed."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"the request body must be sent as 'Content-Type: application/json', got "
+                       f"{media_type[:80] or 'none'!r}", code="unsupported_media_type")
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # nobody will read the answer
+        raise ApiError(499, "the client went away", type_="cancelled") from None
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also an integer of 4,301+ digits
+        raise bad(f"the request body is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 def _usage(result: GenerationResult) -> dict:
     s = result.stats
     return {"prompt_tokens": s["prompt_tokens"], "completion_tokens": s["new_tokens"],
@@ -379,14 +222,15 @@ def _extra(result: GenerationResult) -> dict:
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | list[str] | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE, cors_origins: list[str] | None = None, suffix_shared: bool = False):
+               max_queue: int = DEFAULT_MAX_QUEUE, cors_origins: list[str] | None = None, suffix_shared: bool = False,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
     """The FastAPI app serving `engine` as `model_name`; its scheduler is app.state.scheduler.
     `cors_origins` lets browser pages from those origins call it (none by default). `api_key`: one
     key or several (each client its own). With suffix drafts, each API key (or, with no keys, each
     conversation) drafts only from its own earlier requests, since a step's latency would tell one
-    client whether another's text matched; `suffix_shared` pools them."""
-    if max_queue < 0:
-        raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+    client whether another's text matched; `suffix_shared` pools them. A request body over
+    `max_body_bytes`, or slower than `body_timeout_s`, is refused (`BodyLimits`)."""
+    check_limits(max_queue, max_body_bytes, body_timeout_s)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not k for k in keys):
         raise UserError("an API key must not be empty")
@@ -401,6 +245,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | list[str] | None 
             app.state.scheduler.close()
 
     app = FastAPI(title="sequoia-offload", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimits, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
@@ -441,15 +286,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | list[str] | None 
         return found
 
     async def read_body(request: Request) -> dict:
-        request.state.key_index = authorize(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"the request body is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object")
-        return body
+        request.state.key_index = authorize(request)  # (before a byte of the body is read)
+        return await json_body(request)
 
     def static_page(body: bytes, media_type: str):
         async def page() -> Response:  # (no parameters: nothing a request sends reaches the response)
@@ -572,24 +410,35 @@ def create_app(engine: Engine, model_name: str, api_key: str | list[str] | None 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, parse_chat(await read_body(request), engine, model_name), chat=True)
+        # in a thread: a long prompt's tokens, or a chat template's render, must not stall other clients
+        return await run(request, await asyncio.to_thread(parse_chat, await read_body(request), engine, model_name),
+                         chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(request, parse_completion(await read_body(request), engine, model_name), chat=False)
+        return await run(request, await asyncio.to_thread(parse_completion, await read_body(request), engine,
+                                                          model_name), chat=False)
 
     return app
 
 
+def uvicorn_settings(body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> dict:
+    """uvicorn's settings: h11 with a deadline on each request's headers (`body_timeout_s`)."""
+    return {"http": header_deadline_protocol(body_timeout_s), "timeout_graceful_shutdown": 5}
+
+
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | list[str] | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-          cors_origins: list[str] | None = None, log_level: str = "info", suffix_shared: bool = False) -> None:
+          cors_origins: list[str] | None = None, log_level: str = "info", suffix_shared: bool = False,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+          insecure_no_key: bool = False) -> None:
     """Run the server until Ctrl-C (`sequoia-offload serve`)."""
-    import uvicorn
-    app = create_app(engine, model_name, api_key, max_queue, cors_origins, suffix_shared)
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        print(f"sequoia-offload: warning: serving on {host} without --api-key: anyone who can reach this "
-              "machine can use the model", file=sys.stderr)
+    exposed = check_bind(host, api_key, insecure_no_key)
+    app = create_app(engine, model_name, api_key, max_queue, cors_origins, suffix_shared, max_body_bytes,
+                     body_timeout_s)
+    if exposed:
+        print(f"sequoia-offload: warning: serving on {host} without --api-key (--insecure-no-key): anyone who can "
+              "reach this machine can use the model", file=sys.stderr)
     print(f"sequoia-offload: serving '{model_name}' at http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)",
           file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_settings(body_timeout_s))
