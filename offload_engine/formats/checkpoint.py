@@ -82,6 +82,10 @@ class Checkpoint:
             weight_map = read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UserError(f"{index}: not a valid safetensors index (no weight_map)")
+            for name, fname in weight_map.items():  # a file of this folder: no path, nothing above it
+                if not isinstance(fname, str) or fname in ("", ".", "..") or Path(fname).name != fname:
+                    raise UserError(f"{index}: weight_map gives {name!r} the file {fname!r}, not a file name "
+                                    f"in {self.folder}")
             file_of = {name: self.folder / fname for name, fname in weight_map.items()}
             for path in sorted(set(file_of.values())):
                 if not path.is_file():
@@ -208,7 +212,7 @@ def fingerprint(folder: Path) -> str | None:
                 h.update(name.encode())
                 h.update(_tensor_head(file_of[name], name))
         return h.hexdigest()[:16]
-    except (OSError, ValueError, KeyError, TypeError, struct.error, UserError):
+    except (OSError, ValueError, KeyError, TypeError, struct.error, RecursionError, UserError):
         return None
 
 

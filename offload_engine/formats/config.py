@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,15 +77,25 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+MAX_JSON_BYTES = 64 * 2**20  # a configuration file is KiBs (a tokenizer_config.json with templates, MiBs)
+
+
 def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; any other content is a UserError naming the file."""
     try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise UserError(f"{path}: {path.stat().st_size} bytes, too large for a configuration file "
+                            f"(at most {MAX_JSON_BYTES})")
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise UserError(f"{path}: not valid JSON (nested too deeply)") from None
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
     if not isinstance(data, dict):
@@ -92,12 +103,33 @@ def read_json_object(path: Path) -> dict:
     return data
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _whole(path: Path, key: str, value: Any, low: int = 1, high: int = 2**31 - 1) -> int:
+    """A size or count: a whole number in low..high (4096.0 counts as whole)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UserError(f"{path}: {key} must be a whole number in {low}..{high}, got {_shown(value)}")
+    return value
+
+
+def _positive(path: Path, key: str, value: Any) -> float:
+    """A finite number > 0 (an epsilon, a base frequency, a factor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise UserError(f"{path}: {key} must be a finite positive number, got {_shown(value)}")
+    return float(value)
+
+
 def _ids(value: Any, path: Path, key: str) -> tuple[int, ...]:
     if value is None:
         return ()
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise UserError(f"{path}: {key} must be a token id or a list of token ids, got {value!r}")
+        raise UserError(f"{path}: {key} must be a token id or a list of token ids, got {_shown(value)}")
     return tuple(values)
 
 
@@ -111,18 +143,15 @@ def _rope_scaling(raw: Any, path: Path) -> RopeScaling | None:
         return None
     if kind not in ("llama3", "linear"):
         raise UserError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
-    try:
-        factor = float(raw["factor"])
-        rs = RopeScaling(kind, factor, float(raw.get("low_freq_factor", 1.0)),
-                         float(raw.get("high_freq_factor", 4.0)),
-                         int(raw.get("original_max_position_embeddings", 8192)))
-    except KeyError as e:
-        raise UserError(f"{path}: rope_scaling {kind} needs {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{path}: bad rope_scaling value ({e})") from None
-    if not factor > 0 or (kind == "llama3" and not rs.high_freq_factor > rs.low_freq_factor > 0):
-        raise UserError(f"{path}: rope_scaling factors must be positive (and high_freq_factor > "
-                        f"low_freq_factor), got {raw}")
+    if "factor" not in raw:
+        raise UserError(f"{path}: rope_scaling {kind} needs 'factor'")
+    rs = RopeScaling(kind, _positive(path, "rope_scaling factor", raw["factor"]),
+                     _positive(path, "rope_scaling low_freq_factor", raw.get("low_freq_factor", 1.0)),
+                     _positive(path, "rope_scaling high_freq_factor", raw.get("high_freq_factor", 4.0)),
+                     _whole(path, "rope_scaling original_max_position_embeddings",
+                            raw.get("original_max_position_embeddings", 8192)))
+    if kind == "llama3" and not rs.high_freq_factor > rs.low_freq_factor:
+        raise UserError(f"{path}: rope_scaling high_freq_factor must be > low_freq_factor, got {raw}")
     return rs
 
 
@@ -142,7 +171,7 @@ def load_config(folder: str | Path) -> ModelConfig:
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?") if isinstance(
             raw["quantization_config"], dict) else "?"
-        raise UserError(f"{path}: quantised checkpoints ({method}) are not supported; use bf16/fp16/fp32 "
+        raise UserError(f"{path}: quantised checkpoints ({_shown(method)}) are not supported; use bf16/fp16/fp32 "
                         "safetensors, or convert a GGUF file with convert-gguf")
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -151,27 +180,28 @@ def load_config(folder: str | Path) -> ModelConfig:
     rope = raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise UserError(f"{path}: rope_parameters must be an object")
-    try:
-        hidden = int(raw["hidden_size"])
-        heads = int(raw["num_attention_heads"])
-        cfg = dict(
-            model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        )
-    except KeyError as e:
-        raise UserError(f"{path}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{path}: bad value ({e})") from None
+    missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
+                            "num_hidden_layers") if k not in raw]
+    if missing:
+        raise UserError(f"{path}: missing field {missing[0]!r}")
+    hidden = _whole(path, "hidden_size", raw["hidden_size"])
+    heads = _whole(path, "num_attention_heads", raw["num_attention_heads"])
+    cfg = dict(
+        model_type=model_type,
+        vocab_size=_whole(path, "vocab_size", raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=_whole(path, "intermediate_size", raw["intermediate_size"]),
+        num_layers=_whole(path, "num_hidden_layers", raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=_whole(path, "num_key_value_heads", raw.get("num_key_value_heads") or heads),
+        head_dim=_whole(path, "head_dim", raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=_positive(path, "rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_positive(path, "rope_theta", raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=_whole(path, "max_position_embeddings", raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+    if cfg["head_dim"] % 2:
+        raise UserError(f"{path}: head_dim {cfg['head_dim']} is odd (rotary embeddings rotate pairs)")
     if cfg["num_heads"] % cfg["num_kv_heads"]:
         raise UserError(f"{path}: num_attention_heads {heads} is not a multiple of "
                         f"num_key_value_heads {cfg['num_kv_heads']}")
@@ -182,7 +212,7 @@ def load_config(folder: str | Path) -> ModelConfig:
         cfg["qkv_bias"] = cfg["o_bias"] = bool(raw.get("attention_bias", False))
         cfg["mlp_bias"] = bool(raw.get("mlp_bias", False))
         window = raw.get("sliding_window") if model_type == "mistral" else None
-    cfg["sliding_window"] = int(window) if window else None
+    cfg["sliding_window"] = _whole(path, "sliding_window", window) if window else None
     cfg["rope_scaling"] = _rope_scaling(raw.get("rope_scaling") or rope, path)
     cfg["torch_dtype"] = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
     gen_path = folder / "generation_config.json"
