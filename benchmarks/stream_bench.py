@@ -47,6 +47,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens decoded by each system in (d)")
     p.add_argument("--no-peer", action="store_true", help="skip the HF Accelerate comparison")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    p.add_argument("--verify-reads", action="store_true",
+                   help="check every disk read of a layer block against its checksum (default: first reads only)")
     p.add_argument("--weights", default=None,
                    help="the stored format (a --weights value; default auto), or a comma list of them to "
                         "compare in one run instead (e.g. f32,bf16,q8_0,auto,q4_0): bytes per pass and pass time "
@@ -195,7 +197,8 @@ def _engine_and_store(args: argparse.Namespace, weights: str = "auto"):
     from offload_engine.fsutil import cache_root
     from offload_engine.runtime.layer_store import open_or_build
     engine = Engine.load(args.target, device=args.device, offload=args.offload, buffers=args.buffers,
-                         max_context=args.prefix + max(int(w) for w in args.widths.split(",")) + 8, weights=weights)
+                         max_context=args.prefix + max(int(w) for w in args.widths.split(",")) + 8, weights=weights,
+                         verify_reads=args.verify_reads)
     ckpt = open_checkpoint(engine.folder, engine.config)
     try:  # the store the engine built (or, with nothing streamed, one built now)
         store = open_or_build(ckpt, engine.model.dtype, cache_root() / "stores", progress=False, weights=weights,
