@@ -33,8 +33,10 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..fsutil import fsync_path, fsync_tree
 from . import gguf_blocks
 from .config import DTYPE_NAMES, parse_dtype
+from .gguf_check import check_layout, meta_float, meta_int
 from .gguf_tokenizer import KNOWN_PRE_TOKENIZERS, build_tokenizer  # noqa: F401 (re-exported)
 
 # Bump when the output of the converter changes (layout, tokenizer rules, config fields): cached
@@ -63,6 +65,7 @@ def _open_reader(path: Path):
         magic = f.read(4)
     if magic != b"GGUF":
         raise UserError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    check_layout(path)  # every count and length against the file's size: the reader trusts them
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # corrupt header, truncated file, unsupported version
@@ -163,6 +166,8 @@ def _recover_rope_scaling(path: Path, meta: dict, rope_freqs, rope_theta: float,
     arch = "llama"  # metadata prefix
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor")
+    if factor not in (None, 0):
+        factor = meta_float(path, meta, f"{arch}.rope.scaling.factor", 1.0)
     if rope_freqs is None:
         if kind in (None, "none") or factor in (None, 0, 1, 1.0):
             return None
@@ -180,9 +185,12 @@ def _recover_rope_scaling(path: Path, meta: dict, rope_freqs, rope_theta: float,
                         f"expected head_dim/2 = {head_dim // 2}")
     if np.all(divisors == 1.0):
         return None
-    low = float(meta.get(f"{arch}.rope.scaling.low_freq_factor", 1.0))
-    high = float(meta.get(f"{arch}.rope.scaling.high_freq_factor", 4.0))
-    orig = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
+    low = meta_float(path, meta, f"{arch}.rope.scaling.low_freq_factor", 1.0)
+    high = meta_float(path, meta, f"{arch}.rope.scaling.high_freq_factor", 4.0)
+    orig = meta_int(path, meta, f"{arch}.rope.scaling.original_context_length", 8192)
+    if not high > low:
+        raise UserError(f"{path}: rope scaling high_freq_factor {high:g} must be greater than low_freq_factor "
+                        f"{low:g}")
     candidates = []
     if factor not in (None, 0):
         candidates.append(float(factor))
@@ -208,33 +216,32 @@ def _plan_model(path: Path, reader, meta: dict) -> tuple[dict, list[_Entry]]:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama' is)")
-    if int(meta.get("llama.expert_count", 0) or 0) > 0:
-        raise UserError(f"{path}: mixture-of-experts llama GGUF ({meta['llama.expert_count']} experts) "
+    if meta.get("llama.expert_count") not in (None, 0):
+        raise UserError(f"{path}: mixture-of-experts llama GGUF ({meta['llama.expert_count']!r} experts) "
                         "is not supported")
-
-    def need(key: str) -> Any:
-        if key not in meta:
-            raise UserError(f"{path}: metadata key {key!r} is missing")
-        return meta[key]
-
-    n_layers = int(need("llama.block_count"))
-    hidden = int(need("llama.embedding_length"))
-    inter = int(need("llama.feed_forward_length"))
-    heads = int(need("llama.attention.head_count"))
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads) or heads)
-    head_dim = int(meta.get("llama.attention.key_length", 0) or hidden // heads)
-    v_dim = int(meta.get("llama.attention.value_length", 0) or head_dim)
+    n_layers = meta_int(path, meta, "llama.block_count", high=1 << 16)
+    if len(_BLOCK_NAMES) * n_layers > len(reader.tensors):
+        raise UserError(f"{path}: llama.block_count is {n_layers}, but the file holds only {len(reader.tensors)} "
+                        f"tensors ({len(_BLOCK_NAMES)} a layer)")
+    hidden = meta_int(path, meta, "llama.embedding_length")
+    inter = meta_int(path, meta, "llama.feed_forward_length")
+    heads = meta_int(path, meta, "llama.attention.head_count")
+    kv_heads = meta_int(path, meta, "llama.attention.head_count_kv", heads)
+    head_dim = meta_int(path, meta, "llama.attention.key_length", max(1, hidden // heads))
+    if head_dim % 2:
+        raise UserError(f"{path}: the attention heads' size {head_dim} is odd (rotary embeddings rotate pairs)")
+    v_dim = meta_int(path, meta, "llama.attention.value_length", head_dim)
     if v_dim != head_dim:
         raise UserError(f"{path}: attention key_length {head_dim} != value_length {v_dim}; not supported")
-    rope_dim = int(meta.get("llama.rope.dimension_count", 0) or head_dim)
+    rope_dim = meta_int(path, meta, "llama.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise UserError(f"{path}: rope.dimension_count {rope_dim} differs from head_dim {head_dim} "
                         "(partial rotary embeddings are not supported)")
     if heads % kv_heads:
         raise UserError(f"{path}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
-    rope_theta = float(meta.get("llama.rope.freq_base", 10000.0))
-    eps = float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5))
-    ctx = int(meta.get("llama.context_length", 4096))
+    rope_theta = meta_float(path, meta, "llama.rope.freq_base", 10000.0)
+    eps = meta_float(path, meta, "llama.attention.layer_norm_rms_epsilon", 1e-5)
+    ctx = meta_int(path, meta, "llama.context_length", 4096)
 
     allowed = set(SUPPORTED_TENSOR_TYPES)
     by_name: dict[str, Any] = {}
@@ -258,7 +265,11 @@ def _plan_model(path: Path, reader, meta: dict) -> tuple[dict, list[_Entry]]:
 
     if "token_embd.weight" not in by_name:
         raise UserError(f"{path}: tensor 'token_embd.weight' is missing")
-    vocab = int(by_name["token_embd.weight"].shape[1])  # GGUF shapes are (cols, rows)
+    embd_shape = [int(x) for x in by_name["token_embd.weight"].shape]
+    if len(embd_shape) != 2 or not embd_shape[1]:
+        raise UserError(f"{path}: tensor 'token_embd.weight' has shape {embd_shape[::-1]} (rows first), "
+                        "not one row per token")
+    vocab = embd_shape[1]  # GGUF shapes are (cols, rows)
     tied = "output.weight" not in by_name
     attn_bias = any(f"blk.{i}.{p}.bias" in by_name for i in range(n_layers) for p in _ATTN_PROJ)
     mlp_bias = any(f"blk.{i}.{p}.bias" in by_name for i in range(n_layers) for p in _MLP_PROJ)
@@ -460,11 +471,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     tmp = _make_temp_dir(out_dir)
     done = False
     try:
+        for e in entries:  # every tensor's size against its type and shape, before it is trusted
+            _check_size(gguf_path, e)
         if weights:
             _write_weights(gguf_path, tmp, entries, dtype, shard_bytes, progress)
         else:
-            for e in entries:  # every tensor's size against its type and shape, before it is trusted
-                _check_size(gguf_path, e)
             st = gguf_path.stat()
             tensors = [[e.hf_name, list(e.shape), e.unpermute_heads] + (
                 [e.source.name, e.source.tensor_type.name, int(e.source.data_offset), int(e.source.n_bytes)]
@@ -492,6 +503,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
             tok_cfg["chat_template"] = meta["tokenizer.chat_template"]
         _dump(tmp / "tokenizer_config.json", tok_cfg)
         _dump(tmp / "special_tokens_map.json", specials)
+        fsync_tree(tmp)  # its files on the disk before its name is: a power cut never leaves empty ones
         if out_dir.is_dir():
             try:
                 out_dir.rmdir()  # an empty folder: take its place
@@ -504,6 +516,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
                 raise OutputExistsError(f"{out_dir}: appeared while converting (another conversion?)") from None
             raise UserError(f"{out_dir}: cannot move the converted checkpoint into place ({e})") from None
         done = True
+        fsync_path(out_dir.parent)  # the rename itself on the disk
     finally:
         if not done:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from .gguf_check import meta_list, shown
 
 # llama.cpp src/llama-vocab.cpp: pre-tokenizer name -> split regexes (applied in order, each one
 # splitting the pieces the previous ones left; text no regex matches stays a piece of its own).
@@ -125,13 +126,13 @@ def build_tokenizer(path: Path, meta: dict) -> TokenizerBuild:
         raise UserError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
     if model not in ("gpt2", "llama"):
         raise UserError(f"{path}: tokenizer model {model!r} is not supported (supported: gpt2, llama)")
-    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    tokens = meta_list(path, meta, "tokenizer.ggml.tokens", str)
     if not tokens:
         raise UserError(f"{path}: tokenizer.ggml.tokens is missing or empty")
     # llama.cpp renames empty tokens so that every id has a distinct, non-empty spelling.
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     n = len(tokens)
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * n)
+    types = meta_list(path, meta, "tokenizer.ggml.token_type", int) or [1] * n
     if len(types) != n:
         raise UserError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
     vocab = {t: i for i, t in enumerate(tokens)}  # like llama.cpp, a repeated spelling maps to its last id
@@ -140,9 +141,8 @@ def build_tokenizer(path: Path, meta: dict) -> TokenizerBuild:
         v = meta.get(f"tokenizer.ggml.{key}", default)
         if v is None:
             return None
-        v = int(v)
-        if not 0 <= v < n:
-            raise UserError(f"{path}: tokenizer.ggml.{key} = {v} is outside the vocabulary (0..{n - 1})")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+            raise UserError(f"{path}: tokenizer.ggml.{key} = {shown(v)} is outside the vocabulary (0..{n - 1})")
         return v
 
     spm = model == "llama"
@@ -157,7 +157,7 @@ def build_tokenizer(path: Path, meta: dict) -> TokenizerBuild:
             eos_ids.append(extra)
 
     if spm:
-        scores = list(meta.get("tokenizer.ggml.scores") or [])
+        scores = meta_list(path, meta, "tokenizer.ggml.scores", (int, float))
         if len(scores) != n:
             raise UserError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
         if unk_id is None:
@@ -180,12 +180,12 @@ def build_tokenizer(path: Path, meta: dict) -> TokenizerBuild:
         post_bytelevel = None
     else:
         pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
-            raise UserError(f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; known: "
+        if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
+            raise UserError(f"{path}: pre-tokenizer {shown(pre)} (tokenizer.ggml.pre) is not supported; known: "
                             f"{', '.join(KNOWN_PRE_TOKENIZERS)}")
         kind, regexes, ignore_merges, default_bos = _PRE_TOKENIZERS[pre]
         merges = []
-        for j, m in enumerate(meta.get("tokenizer.ggml.merges") or []):
+        for j, m in enumerate(meta_list(path, meta, "tokenizer.ggml.merges", str)):
             cut = m.find(" ", 1)  # llama.cpp splits at the first space after the first character
             if cut < 0:
                 raise UserError(f"{path}: tokenizer.ggml.merges[{j}] = {m!r} is not two tokens separated by a space")
