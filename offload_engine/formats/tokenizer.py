@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,34 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _rust_error(e: BaseException) -> bool:
+    """An error of the tokenizers library: a bare Exception, or a panic (pyo3's PanicException,
+    which is a BaseException)."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+def _check_works(path: Path, tok: HFTokenizer) -> None:
+    """The tokenizer encodes and decodes a sample text. A post-processor template that names a
+    special token it does not define loads, then panics on every encode (printing the panic):
+    that is checked in its JSON first."""
+    proc = tok.post_processor
+    data = json.loads(proc.__getstate__()) if proc is not None else {}
+    for part in data.get("processors") or [data]:
+        if not isinstance(part, dict) or part.get("type") != "TemplateProcessing":
+            continue
+        for piece in part.get("single", []) + part.get("pair", []):
+            name = piece.get("SpecialToken", {}).get("id") if isinstance(piece, dict) else None
+            if name is not None and name not in (part.get("special_tokens") or {}):
+                raise UserError(f"{path}: the post_processor's template names the special token {name!r}, "
+                                "which its special_tokens do not define")
+    try:
+        tok.decode(tok.encode("Hello, world! 123\n").ids)
+    except BaseException as e:
+        if not _rust_error(e):
+            raise
+        raise UserError(f"{path}: the tokenizer fails on a sample text ({' '.join(str(e).split())[:300]})") from None
 
 
 def _checked_config(path: Path, config: dict) -> dict:
@@ -56,10 +85,11 @@ class Tokenizer:
             raise UserError(f"{folder}: no tokenizer.json")
         try:
             tok = HFTokenizer.from_file(str(path))
-        except BaseException as e:  # a bare Exception from the Rust library, or its panic (a BaseException)
-            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+        except BaseException as e:
+            if not _rust_error(e):
                 raise
             raise UserError(f"{path}: cannot load tokenizer ({' '.join(str(e).split())[:300]})") from None
+        _check_works(path, tok)
         config_path = folder / "tokenizer_config.json"
         config = _checked_config(config_path, read_json_object(config_path) if config_path.is_file() else {})
         template_path = folder / "chat_template.jinja"
