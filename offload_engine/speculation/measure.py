@@ -22,7 +22,7 @@ from sequoia_trees.sampling import SamplingParams, logits_to_probs
 
 from ..errors import UserError
 from ..fsutil import DATA_DIR, atomic_write_text
-from .acceptance_store import acceptance_cache_dir, known_vectors
+from .acceptance_store import acceptance_cache_dir, known_vectors, stored_vectors
 from .decoder import TreeSpec
 
 DEFAULT_PROMPTS = DATA_DIR / "distill_prompts.jsonl"  # distill's prompt list, and auto's quick measurement's
@@ -38,25 +38,39 @@ def read_prompts(path: str | Path) -> list[dict]:
     Returns [{"messages": [...]}] or [{"prompt": "..."}] items."""
     path = Path(path)
     try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: cannot read prompts ({e})") from None
     items = []
-    for number, line in enumerate(lines, 1):
+    # lines end at "\n" only: U+2028, U+0085 and the like are text, and may sit inside a JSON string
+    for number, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
+        if not line.strip():
+            continue
         if line.lstrip().startswith(("{", "[")):
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            messages = data.get("messages") if isinstance(data, dict) else data
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise UserError(f'{path}:{number}: expected a list of messages or {{"messages": [...]}}')
-            items.append({"messages": messages})
+            items.append({"messages": _messages(path, number, line)})
         else:
             items.append({"prompt": line})
     if not items:
         raise UserError(f"{path}: no prompts")
     return items
+
+
+def _messages(path: Path, number: int, line: str) -> list[dict]:
+    """The chat messages of one JSONL line, each with a text role and content."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:  # an integer of more than 4300 digits; nesting too deep
+        raise UserError(f"{path}:{number}: not valid JSON ({e})") from None
+    messages = data.get("messages") if isinstance(data, dict) else data
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise UserError(f'{path}:{number}: expected a list of messages {{"role": text, "content": text}} or '
+                        '{"messages": [...]}')
+    return messages
 
 
 def vector_record(engine, vector: AcceptanceVector, samples: int, mode: str, width: int,
@@ -115,22 +129,28 @@ def teacher_forced(engine, prompts: list[dict], width: int, params: SamplingPara
 
 
 def vectors_for(engine, progress: bool) -> dict:
-    """The pair's vectors by temperature: stored in the repo, cached, or measured now."""
-    return known_vectors(engine.target_fingerprint, engine.draft_key) or measure_and_cache(engine, progress)
+    """The pair's vectors by temperature: stored in the repo, cached, or measured now. The cache
+    gets one file per temperature, one after the other: a set that a killed measurement left
+    short is completed, never taken as it is."""
+    found = known_vectors(engine.target_fingerprint, engine.draft_key)
+    if stored_vectors(engine.target_fingerprint, engine.draft_key):  # the repo's, whatever they cover
+        return found
+    missing = tuple(t for t in AUTO_TEMPERATURES if t not in found)
+    return {**found, **measure_and_cache(engine, progress, missing)} if missing else found
 
 
-def measure_and_cache(engine, progress: bool) -> dict:
-    """auto's quick on-policy measurement at each of AUTO_TEMPERATURES, cached in the acceptance
+def measure_and_cache(engine, progress: bool, temperatures: tuple[float, ...] = AUTO_TEMPERATURES) -> dict:
+    """auto's quick on-policy measurement at each of `temperatures`, cached in the acceptance
     command's format."""
     if progress:
         print(f"sequoia-offload: no acceptance vector is stored for this pair: measuring one on-policy "
               f"({AUTO_PROMPTS} prompts x {AUTO_NEW_TOKENS} tokens, width {AUTO_WIDTH}, T="
-              f"{' and '.join(f'{t:g}' for t in AUTO_TEMPERATURES)}), once; cached", file=sys.stderr)
+              f"{' and '.join(f'{t:g}' for t in temperatures)}), once; cached", file=sys.stderr)
     prompts = read_prompts(DEFAULT_PROMPTS)[:AUTO_PROMPTS]
     root = acceptance_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     out = {}
-    for t in AUTO_TEMPERATURES:
+    for t in temperatures:
         vector, steps = on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0)
         data = vector_record(engine, vector, steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
                              len(prompts), engine.draft_key)
