@@ -256,11 +256,8 @@ def _load(args: argparse.Namespace, quiet: bool = False):
 def _acceptance(path: str | None):
     if path is None:
         return None
-    from sequoia_trees.acceptance import AcceptanceVector
-    try:
-        return AcceptanceVector.from_json(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise UserError(f"{path}: not an acceptance vector ({e})") from None
+    from ..speculation.acceptance_store import read_vector
+    return read_vector(path)[0]
 
 
 def _printer(token_id: int, text: str) -> None:

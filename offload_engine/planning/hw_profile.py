@@ -191,7 +191,7 @@ def from_dict(cls, data: Any, path: Path):
 def _read(path: Path) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON, a 5000-digit number
         raise UserError(f"{path}: cannot read the profile ({e})") from None
 
 

@@ -43,7 +43,7 @@ from ..formats import gguf_blocks
 from ..formats.config import ModelConfig
 from ..runtime.placement import DEVICE_MARGIN_BYTES, GIB, PlacementPlan, fmt_bytes, largest_matrix_bytes, make_plan
 from ..runtime.quant import quantized_bytes
-from ..speculation.acceptance_store import known_vectors, nearest
+from ..speculation.acceptance_store import known_vectors, nearest, read_vector
 from .auto_tree import budget_grid
 from .hw_profile import PROFILES_DIR, GpuSpec, MeasuredProfile, load_gpu_spec, load_model_shape
 
@@ -179,12 +179,8 @@ class Simulation:
 
 def read_acceptance(path: str | Path | None) -> tuple[AcceptanceVector, str]:
     p = Path(path) if path else DEFAULT_ACCEPTANCE
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-        vector = AcceptanceVector(tuple(data["acceptance"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{p}: not an acceptance vector ({e})") from None
-    note = f" ({data['note']})" if isinstance(data, dict) and data.get("note") else ""
+    vector, data = read_vector(p)
+    note = f" ({' '.join(str(data['note']).split())[:200]})" if data.get("note") else ""
     return vector, f"{p.name}{note}"
 
 

@@ -16,10 +16,12 @@ temperature is nearest the generation's, and falls back to a generic vector when
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from sequoia_trees.acceptance import AcceptanceVector
 
+from ..errors import UserError
 from ..formats.checkpoint import fingerprint
 from ..fsutil import INSTALL_ROOT, cache_root
 from .drafts import self_draft_scheme
@@ -37,6 +39,28 @@ def draft_key(draft: str | Path, draft_folder: Path | None, group_size: int) -> 
     return "model:" + fp if fp is not None else None
 
 
+def read_vector(path: str | Path) -> tuple[AcceptanceVector, dict]:
+    """An acceptance vector file (`{"acceptance": [p_1, p_2, ...], ...}`, as the acceptance command
+    writes it) and its whole JSON object; anything else is a UserError naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise UserError(f"{path}: not an acceptance vector ({e})") from None
+    return _vector(data, path), data
+
+
+def _vector(data, path: Path) -> AcceptanceVector:
+    probs = data.get("acceptance") if isinstance(data, dict) else None
+    if not isinstance(probs, list) or not all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in probs):
+        raise UserError(f'{path}: not an acceptance vector (expected {{"acceptance": [p_1, p_2, ...]}} with '
+                        "numbers)")
+    try:
+        return AcceptanceVector(tuple(float(p) for p in probs))
+    except (ValueError, OverflowError) as e:  # OverflowError: an integer too large for a float
+        raise UserError(f"{path}: not an acceptance vector ({e})") from None
+
+
 def stored_vectors(target_fp: str | None, dkey: str | None,
                    store: Path | None = None) -> dict[float, tuple[AcceptanceVector, Path]]:
     """Every stored vector of the pair, by temperature."""
@@ -46,11 +70,13 @@ def stored_vectors(target_fp: str | None, dkey: str | None,
         return found
     for path in sorted(store.glob("*.json")) if store.is_dir() else []:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("target_fingerprint") == target_fp and data.get("draft_key") == dkey:
-                found[float(data["temperature"])] = (AcceptanceVector(tuple(data["acceptance"])), path)
-        except (ValueError, KeyError, TypeError, AttributeError):
+            vector, data = read_vector(path)
+        except UserError:
             continue  # not a stored vector
+        t = data.get("temperature")
+        if (data.get("target_fingerprint") == target_fp and data.get("draft_key") == dkey
+                and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0):
+            found[float(t)] = (vector, path)
     return found
 
 
