@@ -36,9 +36,31 @@ def remove_stale_temps(folder: Path, pattern: str) -> None:
             pass
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """Put a file's bytes, or a folder's entries, on the disk (what a power cut keeps)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync a file, or every file under a folder and then every folder, deepest first: called
+    before a rename publishes it, so that a power cut never leaves the final name over empty files
+    (the rename itself is made durable by fsyncing the folder that holds the new name)."""
+    if not os.path.isdir(path):
+        fsync_path(path)
+        return
+    for folder, _, files in os.walk(path, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: a temporary file beside it, synced, renamed into place
-    (temporaries a killed process left are swept after STALE_TEMP_SECONDS)."""
+    """Write `path` whole or not at all: a temporary file beside it, synced, renamed into place,
+    and the rename synced (temporaries a killed process left are swept after STALE_TEMP_SECONDS)."""
     remove_stale_temps(path.parent, f".{path.name}.tmp-*")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -47,5 +69,6 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)

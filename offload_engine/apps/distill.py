@@ -46,7 +46,7 @@ from ..errors import UserError
 from ..formats.checkpoint import layer_shapes, open_checkpoint
 from ..formats.config import ModelConfig, load_config, parse_dtype, read_json_object
 from ..formats.tokenizer import Tokenizer
-from ..fsutil import atomic_write_text, remove_stale_temps
+from ..fsutil import atomic_write_text, fsync_path, fsync_tree, remove_stale_temps
 from ..runtime.kv_cache import KVCache
 from ..runtime.model import Rope, decoder_layer, rms_norm, rope_inv_freq
 from ..speculation.drafts import EMBED, TOKENIZER_FILES
@@ -235,9 +235,23 @@ def _atomic_json(path: Path, obj) -> None:
 def _atomic_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    fsync_path(tmp)
     os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def _make_work_dir(work: Path, options: dict) -> None:
+    """The work folder with its options.json, renamed into place whole: a folder that `--resume`
+    cannot read (killed between its mkdir and its options) never exists."""
+    work.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(work.parent, f".{work.name}.tmp-*")
+    tmp = work.with_name(f".{work.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _atomic_json(tmp / "options.json", options)
+    fsync_tree(tmp)
+    os.rename(tmp, work)
+    fsync_path(work.parent)
 
 
 # ---- 2. the student ------------------------------------------------------------------------------
@@ -376,9 +390,12 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
     `stop_after_steps` (tests use it to interrupt a run at a known step)."""
     from ..engine import resolve_target
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty; choose another --out")
     work = work_dir(out)
+    if out.exists() and any(out.iterdir()):
+        if resume and work.exists():  # killed after its folder was renamed into place, before the work folder went
+            shutil.rmtree(work)
+            return out
+        raise UserError(f"{out} exists and is not empty; choose another --out")
     if work.exists() and not resume:
         raise UserError(f"{work} holds an interrupted run: pass --resume to continue it, or delete it")
     if resume and not work.exists():
@@ -408,9 +425,8 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
     scfg_raw = student_config(raw, tcfg, opts.layers, opts.hidden)
     target, engine = load_teacher(target_dir, opts, progress, _training_bytes(tcfg, scfg_raw, opts))
     try:
-        if not resume:  # the work folder appears only once the teacher is in place
-            work.mkdir(parents=True, exist_ok=True)
-            _atomic_json(opts_path, {"target": str(target_dir), "options": asdict(opts)})
+        if not resume:  # the work folder appears only once the teacher is in place, with its options
+            _make_work_dir(work, {"target": str(target_dir), "options": asdict(opts)})
         return _run(target, target_dir, tcfg, raw, tokenizer, opts, out, work, dev, progress, stop_after_steps)
     finally:
         engine.close()
@@ -626,8 +642,10 @@ def _finish(out: Path, work: Path, target_dir: Path, raw: dict, tensors: dict, o
               "seconds": state.seconds, "learning_curve": state.curve,
               "final_agreement": state.curve[-1]["agreement"] if state.curve else None}
     (tmp / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+    fsync_tree(tmp)
     if out.exists():
         out.rmdir()  # empty (checked at the start)
     os.replace(tmp, out)
+    fsync_path(out.parent)
     shutil.rmtree(work)
     return out

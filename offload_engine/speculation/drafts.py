@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import UserError
 from ..formats.checkpoint import fingerprint, layer_shapes, open_checkpoint
 from ..formats.config import ModelConfig
-from ..fsutil import INSTALL_ROOT, cache_root, remove_stale_temps
+from ..fsutil import INSTALL_ROOT, cache_root, fsync_path, fsync_tree, remove_stale_temps
 from ..runtime.model import Transformer
 from ..runtime.quant import (DEFAULT_GROUP_SIZE, QuantizedLinear, dequantize_int4, dequantize_int8, pack_nibbles,
                              quantize_int4, quantize_int8, quantized_bytes)
@@ -125,8 +125,10 @@ def default_draft_dir(target_folder: Path, progress: bool = True) -> Path:
     for name in TOKENIZER_FILES:
         if (target_folder / name).exists():
             shutil.copyfile(target_folder / name, tmp / name)
+    fsync_tree(tmp)  # the folder's bytes on the disk before its name is
     try:
         os.replace(tmp, folder)
+        fsync_path(root)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
