@@ -10,7 +10,7 @@ disk-tier pass, in three modes measured round-robin in one run so all see the sa
          pass (every block checked) and on the later passes (the steady state: no check);
   every: every read checked (--verify-reads);
   every_unoverlapped: the same, each block read whole then checksummed, without the reader's
-         helper thread (what the chunked, overlapped check saves).
+         helper threads (what the chunked, overlapped, parallel check saves).
 Ratios are pass times over the `none` pass time (medians). The checksum functions' own speed
 over a block in memory is measured too (why CRC-32: see docs/streaming.md).
 """
@@ -62,12 +62,13 @@ def _timed(fn, *args) -> float:
 def make_store(folder: Path, total: int, block: int):
     """A file of random blocks, its layout and their checksums (what a built store holds)."""
     import torch
-    from offload_engine.runtime.layer_store import LayerLayout, StoreLayout, block_checksum
+    from offload_engine.runtime.block_reader import chunk_checksums
+    from offload_engine.runtime.layer_store import LayerLayout, StoreLayout
     path, sums = folder / "layers.bin", []
     with open(path, "wb") as f:
         for _ in range(total // block):
             data = torch.randint(0, 256, (block,), dtype=torch.uint8).numpy()
-            sums.append(block_checksum(data))
+            sums.append(chunk_checksums(data))
             f.write(data.tobytes())
         f.flush()
         os.fsync(f.fileno())
@@ -79,13 +80,14 @@ def make_store(folder: Path, total: int, block: int):
 
 
 def unoverlapped_reader(path: Path, layout, sums):
-    """A reader checking every read the plain way: read the whole block, then checksum it."""
-    from offload_engine.runtime.block_reader import BlockReader, block_checksum
+    """A reader checking every read the plain way: read the whole block, then checksum its
+    chunks one after another on this thread."""
+    from offload_engine.runtime.block_reader import BlockReader, chunk_checksums
 
     class Unoverlapped(BlockReader):
-        def _read_checksummed(self, layer: int, view: memoryview) -> int:
+        def _read_checked(self, layer: int, view: memoryview) -> None:
             self._read_range(layer, view, 0, len(view))
-            return block_checksum(view)
+            assert chunk_checksums(view) == list(self.checker.checksums[layer])
 
     return Unoverlapped(path, layout, checksums=sums, verify_every=True)
 

@@ -23,7 +23,8 @@ from offload_engine.errors import UserError
 from offload_engine.formats.checkpoint import Checkpoint
 from offload_engine.formats.config import load_config
 from offload_engine.runtime import layer_store
-from offload_engine.runtime.layer_store import BlockReader, aligned_buffer, open_or_build
+from offload_engine.runtime.block_reader import BlockReader, chunk_checksums
+from offload_engine.runtime.layer_store import aligned_buffer, open_or_build
 from tiny_models import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -304,10 +305,29 @@ def test_every_read_is_checked_only_when_asked(folder, tmp_path):
         reader.close()
     data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy()
     t0 = time.perf_counter()
-    layer_store.block_checksum(data)
+    chunk_checksums(data)
     bench = json.loads((REPO / "benchmarks" / "results_verify_reads.json").read_text())
     report({"crc32_gbps_in_test": round(data.nbytes / (time.perf_counter() - t0) / 1e9, 2),
             "verify_cost_benchmark": {k: bench[k] for k in ("store_bytes", "ratios")}})
+
+
+def test_a_block_of_many_chunks_is_checked_chunk_by_chunk(tmp_path):
+    """Blocks of 9 MiB: two full 4 MiB chunks and a 1 MiB one, checked on helper threads while
+    the next chunk is read; the bytes come through whole, and damage names its chunk."""
+    from benchmarks.verify_reads import make_store
+    path, layout, sums = make_store(tmp_path, 27 << 20, 9 << 20)
+    assert [len(c) for c in sums] == [3, 3, 3]
+    buf, data = aligned_buffer(layout.max_block), path.read_bytes()
+    reader = BlockReader(path, layout, checksums=sums, verify_every=True)
+    for i in range(3):
+        reader.read(i, buf)
+        assert bytes(buf.numpy()) == data[i * (9 << 20): (i + 1) * (9 << 20)]
+    _flip(path, (9 << 20) + (8 << 20) + 5)  # block 1, its third chunk
+    with pytest.raises(UserError) as e:
+        reader.read(1, buf)
+    _caught("checksum_mismatch_third_chunk", e.value, "layer 1:", "checksum mismatch in bytes 8388608..12582912")
+    reader.read(2, buf)  # the other blocks still read and check
+    reader.close()
 
 
 def test_a_store_without_checksums_is_rebuilt(folder, tmp_path):

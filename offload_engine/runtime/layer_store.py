@@ -13,9 +13,9 @@ renamed into place when complete) and keyed by the checkpoint's files, the compu
 never trusted. A build checks the free space first and turns a disk that fills up meanwhile into
 one clear error, leaving nothing behind.
 
-Each block's CRC-32 is written into `layout.json` at build time and checked as blocks are read
-back (runtime/block_reader.py): on a block's first read after the store is opened, and on every
-read with `--verify-reads`; RAM-tier blocks when they are loaded.
+The CRC-32 of each 4 MiB chunk of each block is written into `layout.json` at build time and
+checked as blocks are read back (runtime/block_reader.py): on a block's first read after the store
+is opened, and on every read with `--verify-reads`; RAM-tier blocks when they are loaded.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from ..errors import UserError
 from ..formats.checkpoint import layer_shapes
 from ..formats.config import DTYPE_NAMES, ModelConfig
 from ..fsutil import remove_stale_temps
-from .block_reader import BLOCK_ALIGN, BlockReader, block_checksum, check_block, io_error, read_error
+from .block_reader import (BLOCK_ALIGN, CHECK_CHUNK, BlockChecker, BlockReader, chunk_checksums, io_error,
+                           read_error)
 from .blocks import (FLOAT_FORMATS, FORMAT_OF_DTYPE, PackedWeight, check_shape, quantize, storage_format, tensor_bytes,
                      to_dense)
 
-FORMAT_VERSION = 4  # 3: the torch quantizers divide exactly on CUDA too; 4: a CRC-32 per block
+FORMAT_VERSION = 4  # 3: the torch quantizers divide exactly on CUDA too; 4: CRC-32s per 4 MiB chunk
 TENSOR_ALIGN = 256
 META_BYTES = 64 << 10  # room counted for layout.json and the folder (a 70B's is ~10 KiB)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -218,10 +219,10 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
 
 
 class LayerStore:
-    """A built store: `layers.bin` (num_layers blocks) and `layout.json` (with each block's
-    CRC-32) in one folder."""
+    """A built store: `layers.bin` (num_layers blocks) and `layout.json` (with the CRC-32 of
+    each 4 MiB chunk of each block) in one folder."""
 
-    def __init__(self, folder: Path, layout: StoreLayout, checksums: tuple[int, ...] | None = None):
+    def __init__(self, folder: Path, layout: StoreLayout, checksums: tuple[tuple[int, ...], ...] | None = None):
         self.folder, self.layout, self.num_layers = folder, layout, len(layout.layouts)
         self.path = folder / "layers.bin"
         self.checksums = checksums
@@ -244,7 +245,12 @@ class LayerStore:
             raise io_error(self.path, layer, e) from None
         if n != size:
             raise read_error(self.path, layer, f"short read ({n} of {size} bytes: file truncated?)")
-        check_block(self.path, layer, view, None if self.checksums is None else self.checksums[layer])
+        if self.checksums is not None:
+            checker = BlockChecker(self.path, self.checksums)
+            try:
+                checker.check(layer, view)
+            finally:
+                checker.close()
         return out
 
 
@@ -261,22 +267,24 @@ def store_key(folder: Path, cfg_text: bytes, dtype: torch.dtype, weights: str = 
     return h.hexdigest()[:16]
 
 
-def _stored_checksums(folder: Path, layout: StoreLayout) -> tuple[int, ...] | None:
-    """The blocks' checksums of a complete store of this layout in `folder`, else None."""
+def _stored_checksums(folder: Path, layout: StoreLayout) -> tuple[tuple[int, ...], ...] | None:
+    """Each block's chunk CRCs, when `folder` holds a complete store of this layout; else None."""
     try:
         meta = json.loads((folder / "layout.json").read_text())
         size = (folder / "layers.bin").stat().st_size
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(meta, dict):
+    if not (isinstance(meta, dict) and meta.get("format") == FORMAT_VERSION and meta.get("layout") == layout.to_json()
+            and meta.get("num_layers") == len(layout.layouts) and size == layout.total_bytes
+            and meta.get("checksum_chunk_bytes") == CHECK_CHUNK):
         return None
     sums = meta.get("checksums")
-    if not (meta.get("format") == FORMAT_VERSION and meta.get("layout") == layout.to_json()
-            and meta.get("num_layers") == len(layout.layouts) and size == layout.total_bytes
-            and isinstance(sums, list) and len(sums) == len(layout.layouts)
-            and all(isinstance(c, int) and 0 <= c < 2**32 for c in sums)):
+    chunks = [-(-n // CHECK_CHUNK) for n in layout.sizes]
+    if not (isinstance(sums, list) and len(sums) == len(chunks)
+            and all(isinstance(c, list) and len(c) == k for c, k in zip(sums, chunks))
+            and all(isinstance(x, int) and 0 <= x < 2**32 for c in sums for x in c)):
         return None
-    return tuple(sums)
+    return tuple(tuple(c) for c in sums)
 
 
 def free_bytes(folder: Path) -> int:
@@ -385,13 +393,14 @@ def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: 
             stored = {s.name: stored_tensor(ckpt, f"model.layers.{i}.{s.name}", s.fmt, device) for s in lay.slots}
             lay.pack(stored, block[:lay.block_bytes])
             data = memoryview(block[:lay.block_bytes].numpy())
-            sums.append(block_checksum(data))
+            sums.append(chunk_checksums(data))
             _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
     meta = {"format": FORMAT_VERSION, "num_layers": len(layout.layouts), "layout": layout.to_json(),
-            "weights": weights, "source": str(ckpt.folder.resolve()), "checksum": "crc32", "checksums": sums}
+            "weights": weights, "source": str(ckpt.folder.resolve()), "checksum": "crc32",
+            "checksum_chunk_bytes": CHECK_CHUNK, "checksums": sums}
     with open(tmp / "layout.json", "w", encoding="utf-8") as f:
         f.write(json.dumps(meta, indent=1))
         f.flush()
