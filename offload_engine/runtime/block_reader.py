@@ -56,18 +56,18 @@ class BlockChecker:
             self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="block-check")
         return self.pool.submit(zlib.crc32, view[start: start + CHECK_CHUNK])
 
-    def verify(self, layer: int, pending: list[Future]) -> None:
+    def verify(self, layer: int, pending: list[Future], size: int) -> None:
         """Wait for every chunk's CRC (so no helper still reads the buffer), then compare."""
         wait(pending)
         for j, (f, expected) in enumerate(zip(pending, self.checksums[layer])):
-            if f.result() != expected:
-                raise read_error(self.path, layer, f"checksum mismatch in bytes {j * CHECK_CHUNK}.."
-                                                   f"{(j + 1) * CHECK_CHUNK} (read crc32 {f.result():08x}, "
-                                                   f"written {expected:08x})")
+            got, start, end = f.result(), j * CHECK_CHUNK, min((j + 1) * CHECK_CHUNK, size)
+            if got != expected:
+                raise read_error(self.path, layer, f"checksum mismatch in bytes {start}..{end} of {size} "
+                                                   f"(read crc32 {got:08x}, written {expected:08x})")
 
     def check(self, layer: int, view: memoryview) -> None:
         """Check a block already read whole."""
-        self.verify(layer, [self.submit(view, i) for i in range(0, len(view), CHECK_CHUNK)])
+        self.verify(layer, [self.submit(view, i) for i in range(0, len(view), CHECK_CHUNK)], len(view))
 
     def close(self) -> None:
         if self.pool is not None:
@@ -141,7 +141,7 @@ class BlockReader:
                 pending.append(self.checker.submit(view, start))
         finally:
             wait(pending)  # no helper still reads the buffer once it is handed back
-        self.checker.verify(layer, pending)
+        self.checker.verify(layer, pending, len(view))
 
     def close(self) -> None:
         if self.checker is not None:
