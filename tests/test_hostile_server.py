@@ -294,14 +294,19 @@ def test_a_body_sent_a_byte_a_second_is_dropped_with_408_while_others_are_served
 
 def test_headers_sent_slowly_or_never_are_dropped_after_the_timeout(hostile, report):
     """uvicorn alone waits for a request's headers forever (slowloris); `serve` closes the
-    connection when they have not all arrived within --body-timeout."""
+    connection when they have not all arrived within --body-timeout of its opening, or of the
+    previous answer on a kept-alive connection."""
     server = hostile[0]
     stop, times = threading.Event(), {}
+    health_request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     try:
-        for kind in ("trickled", "silent"):
+        for kind in ("trickled", "silent", "kept-alive"):
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                if kind == "kept-alive":  # one quick request, then the next one's headers a byte at a time
+                    sock.sendall(health_request)
+                    assert read_response(sock)[0] == 200
                 started = time.monotonic()
-                if kind == "trickled":
+                if kind != "silent":
                     trickle(sock, request_head("/v1/completions", Content_Length=10), 0.2, stop)
                 assert closed_within(sock, BODY_TIMEOUT_S + 5), kind
                 times[kind] = time.monotonic() - started
