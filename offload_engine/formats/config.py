@@ -119,9 +119,11 @@ def _whole(path: Path, key: str, value: Any, low: int = 1, high: int = 2**31 - 1
 
 def _positive(path: Path, key: str, value: Any) -> float:
     """A finite number > 0 (an epsilon, a base frequency, a factor)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+    number = float(value) if isinstance(value, float) or (
+        isinstance(value, int) and not isinstance(value, bool) and abs(value) < 1e300) else math.nan
+    if not (math.isfinite(number) and number > 0):  # 1e300: larger integers overflow a float
         raise UserError(f"{path}: {key} must be a finite positive number, got {_shown(value)}")
-    return float(value)
+    return number
 
 
 def _ids(value: Any, path: Path, key: str) -> tuple[int, ...]:

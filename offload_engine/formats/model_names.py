@@ -222,7 +222,7 @@ def ollama_blob(manifest: Path, name: str, root: Path) -> Path:
         layers = doc["layers"]
         if not isinstance(layers, list):
             raise TypeError
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise UserError(f"{name}: manifest {manifest} is not an Ollama manifest (no list of layers)") from None
     models = [layer for layer in layers if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_LAYER]
     if len(models) != 1:

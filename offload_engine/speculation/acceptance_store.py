@@ -16,7 +16,6 @@ temperature is nearest the generation's, and falls back to a generic vector when
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from sequoia_trees.acceptance import AcceptanceVector
@@ -73,9 +72,9 @@ def stored_vectors(target_fp: str | None, dkey: str | None,
             vector, data = read_vector(path)
         except UserError:
             continue  # not a stored vector
-        t = data.get("temperature")
+        t = data.get("temperature")  # a number a float holds (not NaN, not a 400-digit integer)
         if (data.get("target_fingerprint") == target_fp and data.get("draft_key") == dkey
-                and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0):
+                and isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e300):
             found[float(t)] = (vector, path)
     return found
 
