@@ -346,6 +346,20 @@ def test_a_store_without_checksums_is_rebuilt(folder, tmp_path):
     assert "checksums" in json.loads((again.folder / "layout.json").read_text())
 
 
+def test_a_build_removes_the_same_checkpoint_s_stores_of_older_formats(folder, tmp_path):
+    """After a format change the old store would be a second copy of the model on the disk:
+    a build deletes it, and nothing else (other checkpoints, other current stores)."""
+    root, source = tmp_path / "stores", str(folder.resolve())
+    now = layer_store.FORMAT_VERSION
+    for name, fmt, src in [("m-old", 3, source), ("m-other", 3, "/elsewhere/m"), ("m-current", now, source),
+                           ("n-old", 3, source)]:
+        (root / name).mkdir(parents=True)
+        (root / name / "layers.bin").write_bytes(b"x" * 4096)
+        (root / name / "layout.json").write_text(json.dumps({"format": fmt, "source": src}))
+    store = _build(folder, root)
+    assert _entries(root) == sorted(["m-other", "m-current", "n-old", store.folder.name])
+
+
 def test_the_cli_prints_one_error_line_for_a_damaged_store(folder, tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}

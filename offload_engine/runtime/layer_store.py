@@ -323,6 +323,7 @@ def _build(ckpt, layout: StoreLayout, root: Path, target: Path, progress: bool, 
     folder, the bytes needed and the bytes free, and leaves no partial store."""
     if target.exists():  # wrong size or layout: never trusted, rebuilt
         shutil.rmtree(target, ignore_errors=True)
+    _remove_superseded(root, ckpt.folder)
     needed = layout.total_bytes + META_BYTES
     tmp = root / f".{target.name}.tmp-{secrets.token_hex(4)}"
     try:
@@ -377,6 +378,19 @@ def packed_layer(ckpt, index: int, layout: LayerLayout, device: torch.device) ->
     block = torch.empty(layout.block_bytes, dtype=torch.uint8)
     layout.pack({s.name: stored_tensor(ckpt, f"model.layers.{index}.{s.name}", s.fmt) for s in layout.slots}, block)
     return layout.views(block.to(device))
+
+
+def _remove_superseded(root: Path, source: Path) -> None:
+    """Delete the stores of `source` in an older store format: no version of this code reads
+    them again, and after a format change they would hold a second copy of the model."""
+    for meta_path in root.glob(f"{source.resolve().name}-*/layout.json"):
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if (isinstance(meta, dict) and meta.get("source") == str(source.resolve())
+                and isinstance(meta.get("format"), int) and meta["format"] < FORMAT_VERSION):
+            shutil.rmtree(meta_path.parent, ignore_errors=True)
 
 
 def _write_store(ckpt, layout: StoreLayout, tmp: Path, progress: bool, weights: str,
