@@ -1,6 +1,6 @@
 """Read verification benchmark: what checking layer blocks against their CRC-32 costs the disk tier.
 
-    python benchmarks/verify_reads.py [--mib 384] [--block-mib 16] [--passes 7] [--json out.json]
+    python benchmarks/verify_reads.py [--mib 384] [--block-mib 16] [--passes 11] [--json out.json]
 
 A store-shaped file of random blocks (4 KiB aligned, `--mib` in all) is written next to the cache
 (on the disk the stores live on, not in RAM) and read whole with O_DIRECT, as the streamer reads a
@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mib", type=int, default=384, help="store size in MiB (default 384)")
     p.add_argument("--block-mib", type=int, default=16, help="block (layer) size in MiB (default 16)")
-    p.add_argument("--passes", type=int, default=7, help="passes per mode (medians reported; default 7)")
+    p.add_argument("--passes", type=int, default=11, help="passes per mode (medians reported; default 11)")
     p.add_argument("--dir", default=None, help="folder for the file (default: a temporary one in the cache)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
 
