@@ -374,3 +374,14 @@ def test_the_cli_prints_one_error_line_for_a_damaged_store(folder, tmp_path):
     errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("sequoia-offload: error: "), run.stderr
     _caught("cli_checksum_mismatch", errors[0], "layers.bin", "layer 2:", "checksum mismatch")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_verify_reads_reaches_the_engine_from_the_cli(command, monkeypatch):
+    from offload_engine.apps import cli
+    seen = {}
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **kw: seen.update(kw)))
+    extra = ["--prompt", "x"] if command == "generate" else []
+    for flag, expected in ([], False), (["--verify-reads"], True):
+        cli._load(cli.build_parser().parse_args([command, *extra, *flag]))
+        assert seen["verify_reads"] is expected
