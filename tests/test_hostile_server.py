@@ -18,7 +18,7 @@ import pytest
 
 from offload_engine import Engine
 from offload_engine.apps import cli
-from offload_engine.apps.http_guards import DEFAULT_MAX_BODY_BYTES
+from offload_engine.apps.http_guards import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from offload_engine.apps.openai_requests import CHAT_FIELDS, COMPLETION_FIELDS
 from offload_engine.apps.server import create_app
 from offload_engine.errors import UserError
@@ -455,6 +455,12 @@ def test_a_non_loopback_host_needs_a_key_or_insecure_no_key(flags, starts, monke
     assert ("the model would load now" in err) == starts, err
     if not starts:
         assert "--api-key" in err and "--insecure-no-key" in err
+
+
+def test_the_command_lines_defaults_are_the_servers():
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.max_body, args.body_timeout) == (DEFAULT_MAX_BODY_BYTES, DEFAULT_BODY_TIMEOUT_S) == (4 * MiB, 30.0)
+    assert not args.insecure_no_key and args.host == "127.0.0.1"
 
 
 # ---- 2. memory over 2,000 requests --------------------------------------------------------------
