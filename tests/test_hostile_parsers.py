@@ -78,7 +78,8 @@ def reports(tmp_path_factory) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         keys = ("examples", "random", "sweep", "loaded", "refused", "peak_rss_mib", "baseline_rss_mib",
                 "max_example_s", "wall_s")
-        figures = {n: {k: r[k] for k in keys} | {"unexpected": len(r["unexpected"]), "cli_runs": len(r.get("cli", []))}
+        figures = {n: {k: r[k] for k in keys} | {"unexpected": len(r["unexpected"]),
+                                                  "cli": [(c["returncode"], c["stderr"]) for c in r.get("cli", [])]}
                    for n, r in done.items()}
         (folder / "parsers.json").write_text(json.dumps(figures, indent=2) + "\n")
     return done
