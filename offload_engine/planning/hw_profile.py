@@ -120,10 +120,16 @@ _SIGNED = {"step_residual_s", "step_residual_greedy_s", "step_per_node_s", "step
            "plain_step_greedy_s"}
 
 
+def _shown(value: Any) -> str:
+    """A value for a message: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _check_number(path: Path, key: str, value: Any, unit: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         unit = f" (in {unit.lstrip('_').replace('_', ' ')})" if unit else ""
-        raise UserError(f"{path}: field {key!r} must be a number{unit}, got {value!r}")
+        raise UserError(f"{path}: field {key!r} must be a number{unit}, got {_shown(value)}")
     value = float(value) if abs(value) < 1e300 else math.inf
     if key in _SIGNED:
         if not math.isfinite(value):
@@ -161,7 +167,7 @@ def from_dict(cls, data: Any, path: Path):
             values[name] = ()
             continue
         if is_list and not isinstance(value, list):
-            raise UserError(f"{path}: field {name!r} must be a list, got {value!r}")
+            raise UserError(f"{path}: field {name!r} must be a list, got {_shown(value)}")
         if unit:
             if is_list:
                 value = tuple(_check_number(path, name, v, unit) for v in value)
@@ -172,16 +178,16 @@ def from_dict(cls, data: Any, path: Path):
         elif str(f.type).startswith("tuple[int"):  # counts (tokens, widths): positive integers
             if not isinstance(value, list) or not value or not all(
                     isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
-                raise UserError(f"{path}: field {name!r} must be a list of positive whole numbers, got {value!r}")
+                raise UserError(f"{path}: field {name!r} must be a list of positive whole numbers, got {_shown(value)}")
             value = tuple(value)
         elif f.type == "float":  # a number without a unit (a factor, a fraction)
             value = _check_number(path, name, value, "")
         elif f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise UserError(f"{path}: field {name!r} must be a positive whole number, got {value!r}")
+            raise UserError(f"{path}: field {name!r} must be a positive whole number, got {_shown(value)}")
         elif f.type == "str" and not isinstance(value, str):
-            raise UserError(f"{path}: field {name!r} must be text, got {value!r}")
+            raise UserError(f"{path}: field {name!r} must be text, got {_shown(value)}")
         elif str(f.type).startswith("dict") and not isinstance(value, dict):
-            raise UserError(f"{path}: field {name!r} must be an object, got {value!r}")
+            raise UserError(f"{path}: field {name!r} must be an object, got {_shown(value)}")
         values[name] = value
     if values.get("kind", fields["kind"].default) != fields["kind"].default:
         raise UserError(f"{path}: field 'kind' is {values['kind']!r}, expected {fields['kind'].default!r}")
