@@ -85,6 +85,15 @@ def closed_within(sock: socket.socket, timeout: float) -> bool:
         return False
 
 
+def socket_buffers_max() -> int:
+    """The most a sender's and a receiver's TCP buffers can hold (Linux's autotuning limits): what a
+    client can get out beyond what the server read."""
+    try:
+        return sum(int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2]) for name in ("tcp_wmem", "tcp_rmem"))
+    except OSError:
+        return 16 * MiB
+
+
 def send_until_refused(sock: socket.socket, pieces) -> int:
     """Send each piece until the server stops taking them; the bytes sent."""
     sock.settimeout(5)
@@ -210,8 +219,8 @@ def test_a_declared_64_mib_body_is_refused_413_before_it_is_read(hostile, report
         assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
         sent = send_until_refused(sock, (b"x" * MiB for _ in range(64)))
     # the server closed the connection: what the client got out before the reset is socket buffers
-    # (a few MiB on loopback), not the 64 MiB the server would read if it went on
-    assert sent < 16 * MiB, sent
+    # at most, not the 64 MiB the server would read if it went on
+    assert sent <= socket_buffers_max() < 64 * MiB, sent
     report("server", {"body_declared_64MiB": {"status": status, "client_sent_after_answer_MiB": round(sent / MiB, 1)}})
 
 
@@ -249,7 +258,7 @@ def test_a_chunked_body_over_the_limit_is_cut_off_at_the_limit(hostile, report):
     assert status == 413 and headers["connection"] == "close"
     assert str(DEFAULT_MAX_BODY_BYTES) in error_of(body)["message"]
     # counted while read, and read no further than the limit (plus what socket buffers took in)
-    assert sent < DEFAULT_MAX_BODY_BYTES + 16 * MiB, sent
+    assert sent <= DEFAULT_MAX_BODY_BYTES + socket_buffers_max() < 64 * MiB, sent
     report("server", {"body_chunked_64MiB": {"status": status, "client_sent_MiB": round(sent / MiB, 1)}})
 
 
@@ -321,9 +330,9 @@ def test_headers_sent_slowly_or_never_are_dropped_after_the_timeout(hostile, rep
 
 def test_a_header_section_over_16_kib_is_refused_without_being_kept(hostile):
     server = hostile[0]
-    lines = [b"X-Pad: " + b"a" * 1000 + b"\r\n" for _ in range(16 * 1024)]  # 16 MiB of headers offered
+    lines = (b"X-Pad: " + b"a" * 1017 + b"\r\n" for _ in range(64 * 1024))  # 64 MiB of headers offered
     (status, _, _), sent = post_raw(server.port, request_head("/v1/completions")[:-2], lines)
-    assert status == 400 and sent < 16 * MiB, sent  # h11's bound on an incomplete event (16 KiB), then a close
+    assert status == 400 and sent <= socket_buffers_max() < 64 * MiB, sent  # h11's 16 KiB bound, then a close
 
 
 def test_a_slow_prompt_to_parse_does_not_stall_other_clients(hostile, monkeypatch):
