@@ -22,13 +22,14 @@ from offload_engine.apps.http_guards import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_
 from offload_engine.apps.openai_requests import CHAT_FIELDS, COMPLETION_FIELDS
 from offload_engine.apps.server import create_app
 from offload_engine.errors import UserError
+from raw_http import (MiB, chunked, closed_within, post_raw, read_response, request_head, send_until_refused,
+                      socket_buffers_max, trickle)
 from test_serve_cli import ServeProcess
 from test_server import KEY, MODEL, LiveServer, SlowLayers, health, hold_generations, raw, wait_for
 from tiny_models import make_tiny_checkpoint
 
 BODY_TIMEOUT_S = 2.0  # the test servers' --body-timeout (the default, 30 s, would make the tests slow)
 LAYERS = 4  # the tiny model's layers: a pass is LAYERS layer times, so "within one layer" can be told apart
-MiB = 1024 * 1024
 MSG = [{"role": "user", "content": "hi"}]
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # a body sent after its headers is not held back 40 ms
 
@@ -45,87 +46,14 @@ def hostile(tmp_path_factory):
     engine.close()
 
 
-# ---- raw HTTP on a socket (what a client library would never send) ----------------------------
-
-def request_head(path: str, **headers) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY}",
-             "Content-Type: application/json", *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def read_response(sock: socket.socket, timeout: float = 30.0) -> tuple[int, dict, bytes]:
-    """(status, headers, body) of one response with a Content-Length."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        piece = sock.recv(65536)
-        assert piece, f"the connection closed before a response: {data!r}"
-        data += piece
-    head, _, body = data.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
-    while len(body) < int(headers.get("content-length", 0)):
-        piece = sock.recv(65536)
-        if not piece:
-            break
-        body += piece
-    return int(status_line.split()[1]), headers, body
-
-
-def closed_within(sock: socket.socket, timeout: float) -> bool:
-    """True when the peer closes (or resets) the connection within `timeout` seconds."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
-def socket_buffers_max() -> int:
-    """The most a sender's and a receiver's TCP buffers can hold (Linux's autotuning limits): what a
-    client can get out beyond what the server read."""
-    try:
-        return sum(int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2]) for name in ("tcp_wmem", "tcp_rmem"))
-    except OSError:
-        return 16 * MiB
-
-
-def send_until_refused(sock: socket.socket, pieces) -> int:
-    """Send each piece until the server stops taking them; the bytes sent."""
-    sock.settimeout(5)
-    sent = 0
-    try:
-        for piece in pieces:
-            sock.sendall(piece)
-            sent += len(piece)
-    except OSError:  # reset, broken pipe, or the buffers full and nobody reading (a timeout)
-        pass
-    return sent
-
-
-def trickle(sock: socket.socket, data: bytes, every_s: float, stop: threading.Event) -> threading.Thread:
-    """Send `data` one byte every `every_s` seconds in a thread, until refused or stopped."""
-    def run():
-        for i in range(len(data)):
-            if stop.wait(every_s):
-                return
-            try:
-                sock.send(data[i:i + 1])
-            except OSError:
-                return
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 def error_of(body: bytes) -> dict:
     err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
     return err
+
+
+def post_head(path: str, **headers) -> bytes:
+    return request_head(path, KEY, **headers)
 
 
 # ---- 1. 64 concurrent streaming clients, a queue of 16 ------------------------------------------
@@ -211,7 +139,7 @@ def test_64_streaming_clients_with_a_queue_of_16_are_each_served_or_refused(host
 def test_a_declared_64_mib_body_is_refused_413_before_it_is_read(hostile, report):
     server = hostile[0]
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(request_head("/v1/chat/completions", Content_Length=64 * MiB) + b'{"model": "')
+        sock.sendall(post_head("/v1/chat/completions", Content_Length=64 * MiB) + b'{"model": "')
         status, headers, body = read_response(sock)  # answered on the headers alone
         assert status == 413 and headers["connection"] == "close"
         err = error_of(body)
@@ -224,35 +152,8 @@ def test_a_declared_64_mib_body_is_refused_413_before_it_is_read(hostile, report
     report("server", {"body_declared_64MiB": {"status": status, "client_sent_after_answer_MiB": round(sent / MiB, 1)}})
 
 
-def chunked(pieces, end: bool = True):
-    """HTTP/1.1 chunked transfer coding of `pieces` (with the last, empty chunk when `end`)."""
-    for piece in pieces:
-        yield b"%x\r\n%s\r\n" % (len(piece), piece)
-    if end:
-        yield b"0\r\n\r\n"
-
-
-def post_raw(port: int, head: bytes, pieces) -> tuple[tuple[int, dict, bytes], int]:
-    """Send `head` then `pieces` while reading the response in a thread: (response, bytes sent)."""
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(head)
-        answer = {}
-
-        def read():
-            try:
-                answer["response"] = read_response(sock, 60)
-            except (OSError, AssertionError) as e:
-                answer["response"] = e
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        sent = send_until_refused(sock, pieces)
-        reader.join(60)
-    assert isinstance(answer["response"], tuple), answer
-    return answer["response"], sent
-
-
 def test_a_chunked_body_over_the_limit_is_cut_off_at_the_limit(hostile, report):
-    head = request_head("/v1/chat/completions", Transfer_Encoding="chunked")
+    head = post_head("/v1/chat/completions", Transfer_Encoding="chunked")
     (status, headers, body), sent = post_raw(hostile[0].port, head,
                                              chunked((b"x" * 64 * 1024 for _ in range(1024)), end=False))  # 64 MiB
     assert status == 413 and headers["connection"] == "close"
@@ -269,9 +170,9 @@ def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_not(hostile, t
         body = message + b" " * (DEFAULT_MAX_BODY_BYTES - len(message) + extra)  # JSON allows trailing blanks
         pieces = [body[i:i + MiB] for i in range(0, len(body), MiB)]
         if transfer == "declared":
-            head = request_head("/v1/completions", Content_Length=len(body))
+            head = post_head("/v1/completions", Content_Length=len(body))
         else:
-            head, pieces = request_head("/v1/completions", Transfer_Encoding="chunked"), chunked(pieces)
+            head, pieces = post_head("/v1/completions", Transfer_Encoding="chunked"), chunked(pieces)
         (status, _, answer), _ = post_raw(hostile[0].port, head, pieces)
         assert status == expected, (transfer, extra, answer[:300])
 
@@ -283,7 +184,7 @@ def test_a_body_sent_a_byte_a_second_is_dropped_with_408_while_others_are_served
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
     stop = threading.Event()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(request_head("/v1/completions", Content_Length=len(body)))
+        sock.sendall(post_head("/v1/completions", Content_Length=len(body)))
         started = time.monotonic()
         trickle(sock, body, 1.0, stop)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
@@ -317,7 +218,7 @@ def test_headers_sent_slowly_or_never_are_dropped_after_the_timeout(hostile, rep
                     sock.sendall(health_request)
                     assert read_response(sock)[0] == 200
                 if kind != "silent":
-                    trickle(sock, request_head("/v1/completions", Content_Length=10), 0.2, stop)
+                    trickle(sock, post_head("/v1/completions", Content_Length=10), 0.2, stop)
                 assert closed_within(sock, BODY_TIMEOUT_S + 5), kind
                 times[kind] = time.monotonic() - started
     finally:
@@ -331,7 +232,7 @@ def test_headers_sent_slowly_or_never_are_dropped_after_the_timeout(hostile, rep
 def test_a_header_section_over_16_kib_is_refused_without_being_kept(hostile):
     server = hostile[0]
     lines = (b"X-Pad: " + b"a" * 1017 + b"\r\n" for _ in range(64 * 1024))  # 64 MiB of headers offered
-    (status, _, _), sent = post_raw(server.port, request_head("/v1/completions")[:-2], lines)
+    (status, _, _), sent = post_raw(server.port, post_head("/v1/completions")[:-2], lines)
     assert status == 400 and sent <= socket_buffers_max() < 64 * MiB, sent  # h11's 16 KiB bound, then a close
 
 
