@@ -1,7 +1,9 @@
-"""Child runner of the fuzzed-parser suite (issue 22, item 1): one parser, fuzzed with hypothesis in
-a process of its own, so that its peak RSS is that parser's alone; writes a JSON report.
+"""Child runner of the fuzzed-parser suite (issue 22, item 1): each parser fuzzed with hypothesis in
+a process of its own (several parsers: forked from one process that imported everything once), so
+that its peak RSS is the imports' and that parser's alone; writes a JSON report per parser.
 
     python tests/hostile_fuzz.py PARSER --examples N --report out.json [--save DIR --keep K]
+    python tests/hostile_fuzz.py config=80 gguf=60 ... --report DIR [--parallel 2]   (forked children)
 
 Every input (tests/hostile_inputs.py, tests/hostile_binary.py) must load or raise a one-line UserError, within
 PER_EXAMPLE_S seconds and under an address-space limit (RLIMIT_AS: a blow-up fails here instead
@@ -311,15 +313,8 @@ def run(name: str, examples: int, work: Path, save: Path | None, keep: int) -> d
             "refusals": dict(itertools.islice(h.messages.items(), 12)), "saved": h.saved}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("parser")
-    ap.add_argument("--examples", type=int, default=50)
-    ap.add_argument("--report", type=Path, required=True)
-    ap.add_argument("--save", type=Path, default=None)
-    ap.add_argument("--keep", type=int, default=3)
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix=f"hostile-{args.parser}-") as tmp:
+def _fuzz_one(name: str, examples: int, report: Path, save: Path | None, keep: int) -> None:
+    with tempfile.TemporaryDirectory(prefix=f"hostile-{name}-") as tmp:
         from hypothesis.configuration import set_hypothesis_home_dir
         set_hypothesis_home_dir(Path(tmp) / "hypothesis")  # its caches, outside the folder checked
         work = Path(tmp) / "work"
@@ -328,9 +323,71 @@ def main() -> int:
                           HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         os.chdir(work)
         signal.signal(signal.SIGALRM, _on_alarm)
-        report = run(args.parser, args.examples, work, args.save, args.keep)
-    args.report.write_text(json.dumps(report, indent=2))
-    return 0
+        result = run(name, examples, work, save, keep)
+    report.write_text(json.dumps(result, indent=2))
+
+
+def _preload() -> None:
+    """What every parser imports, imported once before the forks (about 4 s of CPU each time
+    otherwise). No torch operation runs before a fork, so no thread pool is copied half-made."""
+    import gguf  # noqa: F401
+    import hypothesis  # noqa: F401
+    import tokenizers  # noqa: F401
+    import torch  # noqa: F401
+
+    import hostile_binary  # noqa: F401
+    import hostile_inputs  # noqa: F401
+    import offload_engine.formats.checkpoint  # noqa: F401
+    import offload_engine.formats.gguf_import  # noqa: F401
+    import offload_engine.formats.gguf_model  # noqa: F401
+    import offload_engine.formats.tokenizer  # noqa: F401
+
+
+def _forked(jobs: list[tuple], parallel: int) -> int:
+    """Each (name, examples, report, save, keep) fuzzed in a forked child, `parallel` at a time;
+    a child's peak RSS is the imports' plus its parser's. Returns the number of failed children."""
+    _preload()
+    waiting, running, failed = list(jobs), {}, 0
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            job = waiting.pop(0)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    _fuzz_one(*job)
+                    code = 0
+                except BaseException:  # noqa: BLE001 (reported; the parent counts the failure)
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)
+            running[pid] = job[0]
+        pid, status = os.wait()
+        name = running.pop(pid)
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed += 1
+            print(f"hostile_fuzz: the {name} child failed (status {os.waitstatus_to_exitcode(status)})", file=sys.stderr)
+    return failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("parsers", nargs="+", help="parser names, or NAME=EXAMPLES to give each its own count")
+    ap.add_argument("--examples", type=int, default=50, help="random examples per parser without its own count")
+    ap.add_argument("--report", type=Path, required=True,
+                    help="the report file (one parser) or folder (several: NAME.json in it)")
+    ap.add_argument("--save", type=Path, default=None)
+    ap.add_argument("--keep", type=int, default=3)
+    ap.add_argument("--parallel", type=int, default=2, help="children at a time (several parsers)")
+    args = ap.parse_args()
+    counts = {p.split("=")[0]: int(p.split("=")[1]) if "=" in p else args.examples for p in args.parsers}
+    if len(counts) == 1:
+        name, n = next(iter(counts.items()))
+        _fuzz_one(name, n, args.report, args.save, args.keep)
+        return 0
+    args.report.mkdir(parents=True, exist_ok=True)
+    return 1 if _forked([(n, k, args.report / f"{n}.json", args.save, args.keep) for n, k in counts.items()],
+                        args.parallel) else 0
 
 
 if __name__ == "__main__":

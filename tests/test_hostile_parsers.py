@@ -2,8 +2,8 @@
 refused with one `sequoia-offload: error:` line, within bounded time and memory, changing no input
 and leaving no temporary file.
 
-Each parser is fuzzed by tests/hostile_fuzz.py in a child process of its own (its peak RSS is that
-parser's alone; an address-space limit turns a blow-up into a failure instead of swapping), with
+Each parser is fuzzed by tests/hostile_fuzz.py in a child process of its own, forked from one that
+imported everything once (its peak RSS is the imports' and that parser's alone; an address-space limit turns a blow-up into a failure instead of swapping), with
 derandomized hypothesis (the same inputs on every run) and a fixed number of examples. Then the
 real CLI is run on a few of the refused inputs. With HOSTILE_REPORT_DIR set, the figures go to
 $HOSTILE_REPORT_DIR/parsers.json:
@@ -45,13 +45,13 @@ MAX_EXAMPLE_S = 5.0
 MIN_REFUSED_SHARE = 0.2
 
 
-def _child(name: str, out: Path) -> dict:
-    report = out / f"{name}.json"
-    proc = subprocess.run([sys.executable, str(RUNNER), name, "--examples", str(EXAMPLES[name]), "--report",
-                           str(report), "--save", str(out / "saved"), "--keep", str(CLI_PER_PARSER)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, f"the {name} fuzz child failed:\n{proc.stderr[-3000:]}"
-    return json.loads(report.read_text())
+def _children(out: Path) -> dict:
+    """Every parser's report: one runner that imports once and forks a child per parser, two at a time."""
+    proc = subprocess.run([sys.executable, str(RUNNER), *(f"{n}={k}" for n, k in EXAMPLES.items()), "--report",
+                           str(out / "reports"), "--save", str(out / "saved"), "--keep", str(CLI_PER_PARSER),
+                           "--parallel", "2"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, f"a fuzz child failed:\n{proc.stderr[-3000:]}"
+    return {n: json.loads((out / "reports" / f"{n}.json").read_text()) for n in EXAMPLES}
 
 
 def _cli(case: dict, tmp: Path) -> subprocess.CompletedProcess:
@@ -66,8 +66,8 @@ def reports(tmp_path_factory) -> dict:
     """Every parser's report, the children run two at a time (the machine has two cores)."""
     out = tmp_path_factory.mktemp("hostile")
     (out / "saved").mkdir()
+    done = _children(out)
     with ThreadPoolExecutor(2) as pool:
-        done = dict(zip(EXAMPLES, pool.map(lambda n: _child(n, out), EXAMPLES)))
         cases = [(name, case) for name, r in done.items() for case in r["saved"]]
         runs = list(pool.map(lambda nc: _cli(nc[1], out / f"cli-{nc[0]}"), cases))
     for (name, case), proc in zip(cases, runs):
