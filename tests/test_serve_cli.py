@@ -33,9 +33,12 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        out = open(log, "w") if log else subprocess.PIPE
         self.proc = subprocess.Popen([sys.executable, "-m", "offload_engine.apps.cli", "serve", "--port", str(self.port),
-                                      *args], stdout=open(log, "w") if log else subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+                                      *args], stdout=out, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        if log:
+            out.close()  # the child has its own copy
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, self.output()
