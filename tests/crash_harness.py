@@ -12,7 +12,7 @@ Kill points are of two kinds, drawn by a seeded generator:
     the child (SIGKILL, itself) just before that event happens; k in 1..N, N counted in an
     uninterrupted run. Writes made by compiled code (safetensors) raise no event: delays reach them;
   * delay d: the parent SIGKILLs the child once its operation has run d seconds of CPU time (a busy
-    machine moves no point), d uniform within the fastest uninterrupted run's CPU time.
+    machine moves no point), d uniform within DELAY_SPAN of the fastest uninterrupted run's.
 Of each artefact's kill points SIGKILLS are real SIGKILLs; at the others one run is frozen (paused
 in its audit hook at an event, SIGSTOPped at a delay) while the folder is copied, which leaves the
 state a SIGKILL there would (the disk holds the same bytes; nothing runs on a SIGKILL) at a
@@ -155,6 +155,7 @@ def phase(art, ctx, events: list, finished: bool) -> str:
 
 # ---- the trials ----------------------------------------------------------------------------------
 
+DELAY_SPAN = 0.8  # delays are drawn within this share of an uninterrupted run's CPU time
 SIGKILLS = 4  # of each artefact's kill points, real SIGKILLs; the others freeze one run and copy its folder
 
 
@@ -204,7 +205,9 @@ class Trials:
         shutil.rmtree(saves, ignore_errors=True)
         extra = {v for _, kind, v in real if kind == "event"}
         saved, duration = self.frozen([p for p in frozen if p[1] == "event"], "event", saves, extra)
-        scale = report["delay_scale_cpu_s"] = min(ref.cpu_s, duration or ref.cpu_s)
+        # within the fastest uninterrupted run's CPU time, less a fifth: runs vary that much here (a
+        # profile's loops are bounded in wall time), and a delay past a run's end kills nothing
+        scale = report["delay_scale_cpu_s"] = DELAY_SPAN * min(ref.cpu_s, duration or ref.cpu_s)
         for i, kind, value in real:
             self.sigkill(i, kind, value if kind == "event" else value * scale, saved)
         _, report["delay_run_cpu_s"] = self.frozen([(i, k, v * scale) for i, k, v in frozen if k == "delay"], "delay", saves)

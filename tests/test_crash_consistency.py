@@ -37,7 +37,7 @@ SEED = 22
 KILLS = 50  # per artefact: half at a filesystem event, half after a random delay
 ARTEFACTS = ["sidecar", "convert", "store-bf16", "store-q4_0", "profile", "distill", "serve"]
 GROUPS = [["serve"], ["sidecar", "convert", "store-bf16", "store-q4_0", "profile", "distill"]]  # about equal times
-HARNESS_TIMEOUT_S = 600  # all artefacts, kill points and next runs (about 80 s on this 2-core machine)
+HARNESS_TIMEOUT_S = 600  # all artefacts, kill points and next runs: 90 s here (2 cores, load average 4.5)
 PROMPTS = ["Hello, how are you?", "What is the capital of France?", "Write add(a, b) in Python.",
            "Count from 1 to 10.", "Tell me about speculative decoding.", "Numbers: 3.14159",
            "The capital of Italy is", "def add(a, b):"]
