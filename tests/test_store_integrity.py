@@ -385,3 +385,24 @@ def test_verify_reads_reaches_the_engine_from_the_cli(command, monkeypatch):
     for flag, expected in ([], False), (["--verify-reads"], True):
         cli._load(cli.build_parser().parse_args([command, *extra, *flag]))
         assert seen["verify_reads"] is expected
+
+
+def test_a_server_answers_503_for_a_damaged_store_and_keeps_serving(folder, cache):
+    """The store is the server's, not the request's: 503 with the file and layer, not a 400."""
+    from fastapi.testclient import TestClient
+
+    from offload_engine.apps.server import create_app
+    _load(folder).close()
+    store, meta = _store_of(cache)
+    _flip(store / "layers.bin", _block_offset(meta, 1) + 1000)
+    engine = _load(folder)
+    try:
+        with TestClient(create_app(engine, "m")) as client:
+            for _ in range(2):  # the next request is answered too (the worker lives on)
+                r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 2})
+                err = r.json()["error"]
+                assert r.status_code == 503 and err["type"] == "server_error", r.text
+                _caught("checksum_mismatch_server", err["message"], "layer 1:", "checksum mismatch")
+            assert client.get("/health").json()["failed"] == 2
+    finally:
+        engine.close()

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine import Engine, GenerationResult
-from ..errors import GenerationCancelled, UserError
+from ..errors import DataError, GenerationCancelled, UserError
 from .http_guards import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimits, header_deadline_protocol
 from .openai_requests import ApiError, GenRequest, bad, parse_chat, parse_completion
 
@@ -134,6 +134,10 @@ class Scheduler:
                 outcome, event = "completed", ("done", self._generate(job))
             except GenerationCancelled:
                 outcome, event = "cancelled", ("cancelled", None)
+            except DataError as e:  # the server's own store or disk: not the request's fault
+                print(f"sequoia-offload: error: {e}", file=sys.stderr)
+                outcome, event = "failed", ("error", ApiError(503, f"the server cannot read its model: {e}",
+                                                              type_="server_error", code="model_unreadable"))
             except UserError as e:
                 outcome, event = "failed", ("error", bad(str(e)))
             except Exception as e:  # a bug or a device failure: report it, keep serving

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
+from ..errors import DataError, UserError
 
 BLOCK_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length all multiples of this
 CHECK_CHUNK = 4 << 20  # bytes per CRC: a checked read checksums one chunk while it reads the next
@@ -34,12 +34,12 @@ def chunk_checksums(data) -> list[int]:
     return [zlib.crc32(data[i: i + CHECK_CHUNK]) for i in range(0, len(data), CHECK_CHUNK)]
 
 
-def read_error(path: Path, layer: int, what: str) -> UserError:
-    return UserError(f"{path}: layer {layer}: {what}; the store is damaged or the disk failing "
+def read_error(path: Path, layer: int, what: str) -> DataError:
+    return DataError(f"{path}: layer {layer}: {what}; the store is damaged or the disk failing "
                      f"(delete {path.parent} to rebuild it)")
 
 
-def io_error(path: Path, layer: int, e: OSError, where: str = "") -> UserError:
+def io_error(path: Path, layer: int, e: OSError, where: str = "") -> DataError:
     return read_error(path, layer, f"I/O error{where} ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})")
 
 

@@ -274,7 +274,7 @@ class LayerExecutor:
         or a bug. A block that failed is never handed to a layer."""
         e = self._error
         if isinstance(e, UserError):
-            raise UserError(str(e)) from e
+            raise type(e)(str(e)) from e
         raise RuntimeError(f"layer loader failed: {e}") from e
 
     def snapshot(self) -> StreamStats:
