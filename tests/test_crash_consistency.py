@@ -144,11 +144,6 @@ def test_renames_are_durable(report, name):
     assert mine == []
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/layer_store.py (another part's file) fsyncs layers.bin and "
-                                       "layout.json but neither the store's temporary folder (its entries) "
-                                       "before the rename nor the stores folder after it: after a power cut the "
-                                       "rename, or the files' names in the folder, may be lost (the store then "
-                                       "fails its checks and is rebuilt: work lost, nothing trusted)")
 def test_layer_store_renames_are_durable(report):
     violations = [v for name in ("store-bf16", "store-q4_0", "serve") for v in report[name]["durability"]["violations"]
                   if v.startswith("layer store")]

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..formats.checkpoint import layer_shapes
 from ..formats.config import DTYPE_NAMES, ModelConfig
-from ..fsutil import remove_stale_temps
+from ..fsutil import fsync_path, remove_stale_temps
 from .block_reader import (BLOCK_ALIGN, CHECK_CHUNK, BlockChecker, BlockReader, chunk_checksums, io_error,
                            read_error)
 from .blocks import (FLOAT_FORMATS, FORMAT_OF_DTYPE, PackedWeight, check_shape, quantize, storage_format, tensor_bytes,
@@ -333,11 +333,13 @@ def _build(ckpt, layout: StoreLayout, root: Path, target: Path, progress: bool, 
             raise no_space_error(root, needed, free_bytes(root), during=False)
         tmp.mkdir()
         _write_store(ckpt, layout, tmp, progress, weights, device)
+        fsync_path(tmp)  # its entries (the files' bytes are synced as written), then the rename
         try:
             os.rename(tmp, target)
         except OSError:
             if _stored_checksums(target, layout) is None:  # not a concurrent build that won
                 raise
+        fsync_path(root)  # a power cut keeps the new name
     except OSError as e:
         if e.errno not in _DISK_FULL:
             raise
