@@ -9,7 +9,8 @@ class UserError(Exception):
 
 
 class DataError(UserError):
-    """The machine's own data failed (a damaged layer store, a failing disk), not the request:
+    """The machine's own data failed (a damaged layer store, a failing disk, a chat template that
+    hangs or kills its worker), not the request:
     one line at the command line like any UserError; a server answers 503 instead of 400."""
 
 

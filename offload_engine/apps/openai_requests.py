@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine import Engine
-from ..errors import UserError
+from ..errors import DataError, UserError
 
 MAX_STOP_STRINGS = 4
 ROLES = {"system", "developer", "user", "assistant"}
@@ -196,6 +196,8 @@ def parse_chat(body: dict, engine: Engine, model_name: str) -> GenRequest:
                       "content": _content_text(m.get("content"), where)})
     try:
         ids = engine.tokenizer.encode_chat(clean)
+    except DataError as e:  # the template hung or killed its worker: the server's model, not the request
+        raise ApiError(503, f"the server cannot render its chat template: {e}", code="template_failed") from None
     except UserError as e:  # the checkpoint's template refused these messages (e.g. roles out of order)
         raise bad(str(e), "messages") from None
     req = _common(body, engine, model_name, ids, default_max=engine.max_context, prompt_param="messages")

@@ -19,6 +19,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,7 +31,8 @@ WORKER = Path(__file__).with_name("template_worker.py")
 
 
 class TemplateFailure(Exception):
-    """A render that failed: `kind` is syntax, render, recursion, memory, size, timeout or crash."""
+    """A render that failed: `kind` is syntax, render, recursion, memory, size (the template's
+    doing), or timeout, crash, start (the worker's: the server answers these 503)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -44,17 +46,24 @@ class TemplateSandbox:
         self.timeout_s, self.memory_bytes, self.max_chars = timeout_s, memory_bytes, max_chars
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._stderr = None  # the worker's stderr (a file: read only when it dies)
+        self._replied = False  # whether this worker has answered once (else a death is a failed start)
 
     def render(self, source: str, context: dict) -> str:
         request = json.dumps({"template": source, "context": context}, default=str).encode("ascii")
         with self._lock:
             proc = self._start()
             try:
-                proc.stdin.write(struct.pack("<Q", len(request)) + request)
-                proc.stdin.flush()
-            except (BrokenPipeError, OSError):
-                raise self._died() from None
-            reply = json.loads(self._read_reply(proc))
+                try:
+                    proc.stdin.write(struct.pack("<Q", len(request)) + request)
+                    proc.stdin.flush()
+                except (BrokenPipeError, OSError):
+                    raise self._died() from None
+                reply = json.loads(self._read_reply(proc))
+            except BaseException:  # a timeout, a death, Ctrl-C: a reply may still be on its way
+                self._stop()  # so this worker goes; the next render starts one in step
+                raise
+            self._replied = True
         if "error" in reply:
             raise TemplateFailure(reply.get("kind", "render"), reply["error"])
         return reply["text"]
@@ -70,9 +79,18 @@ class TemplateSandbox:
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             self._stop()
-            self._proc = subprocess.Popen(
-                [sys.executable, "-I", str(WORKER), str(self.memory_bytes), str(self.max_chars)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+            # -I: no current folder or user site on its path; it gets the parent's path instead
+            # (jinja2 may be on PYTHONPATH or in the user site)
+            env = dict(os.environ, SEQUOIA_OFFLOAD_WORKER_PATH=json.dumps([p for p in sys.path if p]))
+            self._stderr = tempfile.TemporaryFile()
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", str(WORKER), str(self.memory_bytes), str(self.max_chars)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, close_fds=True, env=env)
+            except OSError as e:
+                self._stderr.close()
+                raise TemplateFailure("start", f"could not start its worker ({e.strerror or e})") from None
+            self._replied = False
         return self._proc
 
     def _stop(self) -> None:
@@ -80,7 +98,7 @@ class TemplateSandbox:
             if self._proc.poll() is None:
                 self._proc.kill()
             self._proc.wait()
-            for pipe in (self._proc.stdin, self._proc.stdout):
+            for pipe in (self._proc.stdin, self._proc.stdout, self._stderr):
                 try:
                     pipe.close()
                 except OSError:
@@ -88,32 +106,35 @@ class TemplateSandbox:
             self._proc = None
 
     def _read_reply(self, proc: subprocess.Popen) -> bytes:
-        """The reply's bytes, or the worker killed when the deadline passes."""
+        """The reply's bytes (never more: the next reply is the next render's), or the worker
+        killed when the deadline passes."""
         deadline, fd, data, need = time.monotonic() + self.timeout_s, proc.stdout.fileno(), bytearray(), 8
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
             while len(data) < need:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(left):
-                    self._stop()
                     raise TemplateFailure("timeout", f"ran longer than {self.timeout_s:g} s and was stopped")
-                chunk = os.read(fd, max(need - len(data), 1 << 16))
+                chunk = os.read(fd, min(need - len(data), 1 << 20))
                 if not chunk:
                     raise self._died()
                 data += chunk
-                if need == 8 and len(data) >= 8:
-                    need = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
-        return bytes(data[8:need])
+                if need == 8 and len(data) == 8:
+                    need = 8 + struct.unpack("<Q", bytes(data))[0]
+        return bytes(data[8:])
 
     def _died(self) -> TemplateFailure:
         code = self._proc.wait() if self._proc is not None else None
-        self._stop()
+        self._stderr.seek(0)
+        said = self._stderr.read()[-2000:].decode("utf-8", "replace").strip().splitlines()
         how = f"exit status {code}"
         if code is not None and code < 0:
             try:
                 how = f"signal {signal.Signals(-code).name}"
             except ValueError:
                 how = f"signal {-code}"
+        if not self._replied and code is not None and code > 0:  # it never answered: it did not start
+            return TemplateFailure("start", f"could not start its worker ({how}: {said[-1] if said else 'no message'})")
         return TemplateFailure("crash", f"stopped its worker ({how}), most likely past the "
                                         f"{self.memory_bytes >> 20} MiB memory limit")
 

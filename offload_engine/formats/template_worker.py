@@ -99,6 +99,7 @@ def _render(env, compiled: dict, request: dict, max_chars: int) -> dict:
 
 
 def main() -> None:
+    sys.path[:0] = json.loads(os.environ.get("SEQUOIA_OFFLOAD_WORKER_PATH", "[]"))  # the parent's
     _exit_with_parent()
     _limit_memory(int(sys.argv[1]))
     max_chars = int(sys.argv[2])

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..errors import UserError
+from ..errors import DataError, UserError
 from .config import read_json_object
 from .template_sandbox import TemplateFailure, shared_sandbox
 
@@ -128,6 +128,8 @@ class Tokenizer:
         except TemplateFailure as e:  # the template is the checkpoint's code: any failure is its input's fault
             if e.kind == "syntax":
                 raise UserError(f"{self.source}: chat template {e}") from None
+            if e.kind in ("timeout", "crash", "start"):  # the model's or the machine's, not the messages'
+                raise DataError(f"{self.source}: chat template {e}") from None
             raise UserError(f"{self.source}: chat template failed on these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
