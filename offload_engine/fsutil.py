@@ -3,6 +3,7 @@ folders written under a temporary name and renamed into place. Every layer uses 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -38,9 +39,13 @@ def remove_stale_temps(folder: Path, pattern: str) -> None:
 
 def fsync_path(path: str | os.PathLike) -> None:
     """Put a file's bytes, or a folder's entries, on the disk (what a power cut keeps)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    folder = os.path.isdir(path)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if folder else 0))
     try:
         os.fsync(fd)
+    except OSError as e:  # some filesystems (9p, vboxsf, CIFS) cannot sync a folder: its rename stands
+        if not folder or e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS):
+            raise
     finally:
         os.close(fd)
 

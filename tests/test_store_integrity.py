@@ -112,7 +112,7 @@ def test_a_disk_without_room_is_refused_before_writing(folder, tmp_path, monkeyp
     with pytest.raises(UserError) as e:
         _build(folder, root)
     layout = layer_store.store_layout(Checkpoint(folder, load_config(folder)), torch.float32)
-    needed = layout.total_bytes + layer_store.META_BYTES
+    needed = layer_store.bytes_needed(layout)
     _caught("full_disk_before_build", e.value, str(root), f"needs {needed} bytes", f"{75 * 4096} bytes")
     assert "filled up" not in str(e.value)
     assert _entries(root) == []
@@ -171,7 +171,7 @@ def test_a_real_small_tmpfs_that_fills_up(folder, small_tmpfs, monkeypatch):
     filler = small_tmpfs / "other-process"
     layout = layer_store.store_layout(Checkpoint(folder, load_config(folder)), torch.float32)
     free = layer_store.free_bytes(small_tmpfs)
-    assert layout.total_bytes + layer_store.META_BYTES < free  # the store fits the empty tmpfs
+    assert layer_store.bytes_needed(layout) < free  # the store fits the empty tmpfs
     # 1. too little room from the start: refused with the real free space, nothing written
     filler.write_bytes(b"x" * (free - layout.total_bytes // 2))
     with pytest.raises(UserError) as before:
@@ -258,7 +258,9 @@ def _nothing_read(fd, buffers, offset):
 @pytest.mark.parametrize("action, kind, needle", [(_eio, "io_error", "I/O error at byte"),
                                                   (_nothing_read, "short_read", "short read (0 of")])
 def test_a_failing_read_stops_the_generation(folder, cache, monkeypatch, action, kind, needle):
-    _load(folder).close()
+    """...and a disk that recovers serves the next generation (a server is not stopped for good)."""
+    reference = _load(folder).generate(PROMPT, max_new_tokens=4).token_ids
+    real = os.preadv
     _failing_preadv(monkeypatch, cache, 2, action)
     engine = _load(folder)
     try:
@@ -267,6 +269,8 @@ def test_a_failing_read_stops_the_generation(folder, cache, monkeypatch, action,
         _caught(kind, e.value, "layers.bin", "layer 2:", needle)
         if kind == "io_error":
             assert "EIO" in str(e.value)
+        monkeypatch.setattr(os, "preadv", real)  # the disk's hiccup is over
+        assert engine.generate(PROMPT, max_new_tokens=4).token_ids == reference
     finally:
         engine.close()
 
@@ -406,3 +410,27 @@ def test_a_server_answers_503_for_a_damaged_store_and_keeps_serving(folder, cach
             assert client.get("/health").json()["failed"] == 2
     finally:
         engine.close()
+
+
+def test_a_filesystem_that_cannot_sync_a_folder_still_publishes(folder, tmp_path, monkeypatch):
+    """9p, vboxsf or CIFS refuse fsync on a folder (EINVAL): the store is built and used anyway;
+    a file that cannot be synced is still an error."""
+    from offload_engine import fsutil
+    real = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store = _build(folder, tmp_path / "stores")
+    assert (store.folder / "layers.bin").is_file()
+    fsutil.fsync_path(store.folder)  # refused by the filesystem: nothing to do
+
+    def fsync_fails(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", fsync_fails)
+    with pytest.raises(OSError):  # a file's bytes that cannot be synced are not published
+        fsutil.fsync_path(store.folder / "layout.json")

@@ -5,9 +5,10 @@ or a failing disk gives.
 A `BlockReader` checks a block on its first read after the store is opened, or on every read
 when asked (`--verify-reads`). A checked read goes chunk by chunk, and helper threads checksum
 each chunk while the next ones are read (zlib releases the GIL; chunks have their own CRCs, so
-several cores can check one block at once), so the check costs only what it takes beyond the
-read. An I/O error, a short read or a mismatch is a `UserError` naming the file, the layer and
-what was wrong; the caller never gets the block.
+several cores can check one block at once: on a machine with idle cores the check can hide
+behind the reads; on 2 busy vCPUs it did not, see docs/streaming.md). An I/O error, a short read
+or a mismatch is a `DataError` naming the file, the layer and what was wrong; the caller never
+gets the block.
 """
 
 from __future__ import annotations

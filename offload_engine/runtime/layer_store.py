@@ -47,7 +47,8 @@ from .blocks import (FLOAT_FORMATS, FORMAT_OF_DTYPE, PackedWeight, check_shape, 
 
 FORMAT_VERSION = 4  # 3: the torch quantizers divide exactly on CUDA too; 4: CRC-32s per 4 MiB chunk
 TENSOR_ALIGN = 256
-META_BYTES = 64 << 10  # room counted for layout.json and the folder (a 70B's is ~10 KiB)
+META_BYTES = 64 << 10  # room counted for layout.json's layouts and the folder (a 70B's are ~10 KiB)
+CHECKSUM_JSON_BYTES = 16  # and for each chunk's CRC-32 in it (at most 10 digits, a comma, indent)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -293,6 +294,12 @@ def free_bytes(folder: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def bytes_needed(layout: StoreLayout) -> int:
+    """The disk space a store takes: its blocks, layout.json and the folder."""
+    chunks = sum(-(-n // CHECK_CHUNK) for n in layout.sizes)  # a 70B in bf16: ~33k CRCs, ~0.5 MB of JSON
+    return layout.total_bytes + META_BYTES + CHECKSUM_JSON_BYTES * chunks
+
+
 def no_space_error(root: Path, needed: int, free: int, during: bool) -> UserError:
     when = "the disk filled up while the layer store was written: " if during else ""
     return UserError(f"{root}: {when}the layer store needs {needed} bytes ({needed / 2**20:.1f} MiB) and "
@@ -324,7 +331,7 @@ def _build(ckpt, layout: StoreLayout, root: Path, target: Path, progress: bool, 
     if target.exists():  # wrong size or layout: never trusted, rebuilt
         shutil.rmtree(target, ignore_errors=True)
     _remove_superseded(root, ckpt.folder)
-    needed = layout.total_bytes + META_BYTES
+    needed = bytes_needed(layout)
     tmp = root / f".{target.name}.tmp-{secrets.token_hex(4)}"
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -149,8 +149,11 @@ class LayerExecutor:
         self._start_loader()
 
     def _start_loader(self) -> None:
-        """A fresh loader at the start of a pass, buffer 0 first."""
+        """A fresh loader at the start of a pass, buffer 0 first. A read error that stopped the
+        last pass is forgotten: the next pass reads again (a damaged block, never marked
+        verified, fails again; a disk's passing hiccup does not stop a server for good)."""
         k = len(self.buffers)
+        self._error = None
         self._stop = threading.Event()
         self._consumed = 0
         self.free = [threading.Semaphore(1) for _ in range(k)]
