@@ -94,6 +94,19 @@ def test_resume_gives_the_uninterrupted_result(setup, tmp_path):
     assert ra["learning_curve"] == rb["learning_curve"]
 
 
+def test_resume_never_deletes_a_run_for_someone_elses_out(setup, tmp_path):
+    """--out holding anything but the run's own finished student (a user's file, another model)
+    is refused, and the interrupted run is kept."""
+    root, target, prompts = setup
+    part = tmp_path / "part"
+    assert distill(target, part, _opts(prompts), progress=False, stop_after_steps=2) is None
+    part.mkdir()
+    (part / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty"):
+        distill(target, part, _opts(prompts), resume=True, progress=False)
+    assert (work_dir(part) / "options.json").exists() and (part / "notes.txt").exists()
+
+
 def test_streamed_teacher_gives_the_same_draft(setup, tmp_path, monkeypatch):
     """A target too big for the device teaches with its layers streamed from disk: same draft,
     bit for bit (streamed passes equal resident ones)."""

@@ -384,6 +384,19 @@ def work_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def _finished_from(out: Path, work: Path) -> bool:
+    """Whether `out` is the student that `work`'s run finished: its distill.json (written last,
+    inside the folder renamed into place) names the same target and options."""
+    try:
+        report = json.loads((out / "distill.json").read_text())
+        saved = json.loads((work / "options.json").read_text())
+        placement = ("device", "offload", "vram", "ram")  # a resumed run may place itself anew
+        same = [{k: v for k, v in o.items() if k not in placement} for o in (report["options"], saved["options"])]
+        return report["target"] == saved["target"] and same[0] == same[1]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, resume: bool = False,
             progress: bool = True, stop_after_steps: int | None = None) -> Path | None:
     """Run (or resume) a distillation; returns the finished folder, or None when stopped early by
@@ -392,8 +405,8 @@ def distill(target_dir: str | Path, out: str | Path, opts: DistillOptions, *, re
     out = Path(out)
     work = work_dir(out)
     if out.exists() and any(out.iterdir()):
-        if resume and work.exists():  # killed after its folder was renamed into place, before the work folder went
-            shutil.rmtree(work)
+        if resume and work.exists() and _finished_from(out, work):  # killed after its folder was renamed
+            shutil.rmtree(work)  # into place, before the work folder went
             return out
         raise UserError(f"{out} exists and is not empty; choose another --out")
     if work.exists() and not resume:
