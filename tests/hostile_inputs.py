@@ -116,6 +116,15 @@ def json_sweep(base, write, paths: list, values: list = SWEEP_VALUES) -> list:
     return out + [(f"raw-{i}", lambda folder, raw=raw: write(folder, raw)) for i, raw in enumerate(RAW_SWEEP)]
 
 
+def built_then_written(build, name: str):
+    """A json_sweep writer: the undamaged folder from `build`, then its file `name` replaced by the data."""
+    def write(folder: Path, data: bytes) -> Path:
+        build(folder)
+        (folder / name).write_bytes(data)
+        return folder
+    return write
+
+
 # ---- config.json / generation_config.json ---------------------------------------------------
 
 def base_config() -> dict:
@@ -142,15 +151,10 @@ def build_config(folder: Path, draw=None) -> Path:
     return folder
 
 
-def write_config(folder: Path, data: bytes) -> Path:
-    build_config(folder)
-    (folder / "config.json").write_bytes(data)
-    return folder
-
-
 def config_sweep() -> list:
     rope = [("rope_scaling", k) for k in base_config()["rope_scaling"]]
-    return json_sweep(base_config(), write_config, list(base_config()) + CONFIG_KEYS + rope)
+    return json_sweep(base_config(), built_then_written(build_config, "config.json"),
+                      list(base_config()) + CONFIG_KEYS + rope)
 
 
 # ---- tokenizer.json, tokenizer_config.json, chat_template.jinja --------------------------------
@@ -215,15 +219,9 @@ def build_tokenizer(folder: Path, draw=None) -> Path:
     return folder
 
 
-def write_tokenizer_config(folder: Path, data: bytes) -> Path:
-    build_tokenizer(folder)
-    (folder / "tokenizer_config.json").write_bytes(data)
-    return folder
-
-
 def tokenizer_sweep() -> list:
     paths = TOKENIZER_CONFIG_KEYS + [("bos_token",), ("eos_token",)]
-    out = json_sweep(base_tokenizer_config(), write_tokenizer_config, paths[:4])
+    out = json_sweep(base_tokenizer_config(), built_then_written(build_tokenizer, "tokenizer_config.json"), paths[:4])
     for where, key, values in TOKENIZER_EDITS:  # every targeted tokenizer.json edit
         for i, value in enumerate(values):
             def build(folder, where=where, key=key, value=value):

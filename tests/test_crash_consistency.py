@@ -28,6 +28,7 @@ from offload_engine.formats.config import load_config
 from offload_engine.formats.gguf_model import GGUFCheckpoint
 from offload_engine.speculation import drafts
 from test_gguf import gpt2_tokenizer_meta, tiny_llama, write_gguf
+from hostile_report import write_report
 from tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -104,11 +105,7 @@ def run_harness(work: Path, fixtures: dict, groups: list[list[str]], kills: int,
 @pytest.fixture(scope="module")
 def report(fixtures, tmp_path_factory) -> dict:
     result = run_harness(tmp_path_factory.mktemp("crash"), fixtures, GROUPS, KILLS, durability=True)
-    folder = os.environ.get("HOSTILE_REPORT_DIR")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / "crash.json").write_text(json.dumps({"seed": SEED, "kills_per_artefact": KILLS,
-                                                             "artefacts": result}, indent=1) + "\n")
+    write_report("crash", {"seed": SEED, "kills_per_artefact": KILLS, "artefacts": result})
     return result
 
 

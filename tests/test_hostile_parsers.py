@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hostile_report import write_report
 
 pytestmark = pytest.mark.slow  # the children and CLI runs together: about a minute on two cores
 
@@ -73,15 +74,12 @@ def reports(tmp_path_factory) -> dict:
     for (name, case), proc in zip(cases, runs):
         done[name].setdefault("cli", []).append({"argv": case["argv"], "message": case["message"],
                                                  "returncode": proc.returncode, "stderr": proc.stderr})
-    if os.environ.get("HOSTILE_REPORT_DIR"):
-        folder = Path(os.environ["HOSTILE_REPORT_DIR"])
-        folder.mkdir(parents=True, exist_ok=True)
-        keys = ("examples", "random", "sweep", "loaded", "refused", "peak_rss_mib", "baseline_rss_mib",
-                "max_example_s", "wall_s")
-        figures = {n: {k: r[k] for k in keys} | {"unexpected": len(r["unexpected"]),
-                                                  "cli": [(c["returncode"], c["stderr"]) for c in r.get("cli", [])]}
-                   for n, r in done.items()}
-        (folder / "parsers.json").write_text(json.dumps(figures, indent=2) + "\n")
+    keys = ("examples", "random", "sweep", "loaded", "refused", "peak_rss_mib", "baseline_rss_mib",
+            "max_example_s", "wall_s")
+    write_report("parsers", {n: {k: r[k] for k in keys} | {"unexpected": len(r["unexpected"]),
+                                                          "cli": [(c["returncode"], c["stderr"])
+                                                                  for c in r.get("cli", [])]}
+                             for n, r in done.items()})
     return done
 
 

@@ -25,6 +25,7 @@ from offload_engine.formats.config import load_config
 from offload_engine.runtime import layer_store
 from offload_engine.runtime.block_reader import BlockReader, chunk_checksums
 from offload_engine.runtime.layer_store import aligned_buffer, open_or_build
+from hostile_report import write_report
 from tiny_models import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,13 +34,7 @@ CAUGHT: dict[str, int] = {}  # damage caught, by kind, for disk.json
 
 
 def report(figures: dict) -> None:
-    """Merge figures into $HOSTILE_REPORT_DIR/disk.json when that variable is set."""
-    folder = os.environ.get("HOSTILE_REPORT_DIR")
-    if folder:
-        path = Path(folder) / "disk.json"
-        data = json.loads(path.read_text()) if path.exists() else {}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**data, **figures}, indent=1) + "\n")
+    write_report("disk", figures)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,6 +6,7 @@ under its limit; fuzzed templates render exactly as jinja2's sandbox renders the
 are refused; the worker is started again after a kill and dies with its parent.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -19,7 +20,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from offload_engine import UserError
 from offload_engine.apps.cli import main
 from offload_engine.formats import template_sandbox
 from offload_engine.formats.template_sandbox import TemplateFailure, TemplateSandbox
@@ -177,13 +177,20 @@ _CONTENT = st.text(max_size=20)
 FUZZ_EXAMPLES = 150
 
 
-def _in_process(template: str, context: dict) -> tuple[str, str]:
-    """("text", output) or ("error", kind) as the worker's own environment renders it here."""
+@functools.cache
+def _worker_here():
+    """The worker's module and jinja2 environment, loaded in this process once."""
     spec = importlib.util.spec_from_file_location("tw", template_sandbox.WORKER)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
+    return worker, worker._environment()
+
+
+def _in_process(template: str, context: dict) -> tuple[str, str]:
+    """("text", output) or ("error", kind) as the worker's own environment renders it here."""
+    worker, env = _worker_here()
     try:
-        reply = worker._render(worker._environment(), {}, {"template": template, "context": context}, 1 << 24)
+        reply = worker._render(env, {}, {"template": template, "context": context}, 1 << 24)
     except Exception as e:
         return "error", type(e).__name__
     return ("error", reply["kind"]) if "error" in reply else ("text", reply["text"])
