@@ -213,25 +213,24 @@ def test_fuzzed_templates_render_as_in_process_or_are_refused(fast_sandbox, temp
         assert got[0] == "error"
 
 
-def test_an_interrupted_render_never_hands_its_reply_to_the_next(fast_sandbox):
+def test_an_interrupted_render_never_hands_its_reply_to_the_next(fast_sandbox, monkeypatch):
     """Ctrl-C (chat keeps its session) between the request and the reply: the worker goes, so the
-    next render gets its own reply, not the interrupted one's."""
-    import signal
+    next render gets its own reply, not the interrupted one's. The interrupt comes when the
+    interrupted render's reply is already waiting in the pipe (no race with a timer: a timer once
+    fired after a fast machine had finished the render)."""
+    import select
     fast_sandbox.render("{{ 1 }}", {})
-    slow = "{% for a in range(3000) %}{% for b in range(300) %}{% endfor %}{% endfor %}SLOW"
+    real_read = TemplateSandbox._read_reply
 
-    def interrupt(*_):
-        raise KeyboardInterrupt
+    def interrupted(self, proc):
+        ready, _, _ = select.select([proc.stdout.fileno()], [], [], TIMEOUT_S)
+        assert ready, "the worker never answered the first render"
+        raise KeyboardInterrupt  # the reply is in the pipe, unread
 
-    old = signal.signal(signal.SIGALRM, interrupt)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        with pytest.raises(KeyboardInterrupt):
-            fast_sandbox.render(slow, {})
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-    time.sleep(0.3)  # the interrupted template would have answered by now
+    monkeypatch.setattr(TemplateSandbox, "_read_reply", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fast_sandbox.render("INTERRUPTED", {})
+    monkeypatch.setattr(TemplateSandbox, "_read_reply", real_read)
     assert fast_sandbox.render("fast {{ x }}", {"x": 2}) == "fast 2"
 
 
