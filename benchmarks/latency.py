@@ -23,6 +23,13 @@ Modes, each over the same prompts at each temperature (seeded per prompt):
   model-auto, model-N,D, hybrid-auto, hybrid-N,D
                    (`--suffix-study`) the model draft alone and with suffix drafts grafted on
                    (`--draft MODEL+suffix`), with `--tree auto` and with a fixed Sequoia tree
+  default, self-int8, self-int4, self-q8, self-q4, self-q8-no-overlap, self-q4-no-overlap
+                   (`--draft-study`) each draft at one fixed Sequoia tree (`--study-tree`): the
+                   distilled default draft, the full self-drafts, and the substitute self-drafts
+                   (the target's resident layers, quantised copies of the streamed ones, the
+                   target's KV cache shared) with and without the next tree grown during the pass;
+                   each row also splits its steps' time: draft before the pass, draft overlapped
+                   (inside the pass), the pass, the rest
   best-fixed       (a row computed, not run) the fastest of plain-streamed and the fixed Sequoia
                    trees (`--hindsight`, or the sequoia-B modes) on the same prompts: the best fixed
                    choice in hindsight, which auto is measured against
@@ -73,6 +80,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "what suffix drafts are measured with (each engine's store starts empty at each temperature)")
     p.add_argument("--suffix-tree", default="16,4", help="the fixed Sequoia tree N,D of --suffix-study's model-N,D "
                                                          "and hybrid-N,D rows (default 16,4)")
+    p.add_argument("--draft-study", action="store_true",
+                   help="only plain-streamed and each draft (default, self-int8, self-int4, self-q8, self-q4, "
+                        "the last two also without overlap) at the fixed tree --study-tree, with each step's "
+                        "time split")
+    p.add_argument("--study-tree", default="16,6", help="the fixed Sequoia tree N,D of --draft-study (default 16,6)")
+    p.add_argument("--weights", default="auto",
+                   help="the format the target's streamed layers are stored in (as --weights of generate; "
+                        "default auto: the checkpoint's own, e.g. the default's Q4_1 blocks; f32: a disk-bound pass)")
     p.add_argument("--hindsight", default="2,2 4,3 8,3 16,4 32,5",
                    help="fixed Sequoia trees N,D run with --auto-study (space-separated)")
     p.add_argument("--fresh-profile", action="store_true",
@@ -124,9 +139,18 @@ def _suffix_modes(n: int, d: int) -> list[dict]:
             {"mode": f"hybrid-{n},{d}", "kind": "sequoia", "budget": n, "depth": d, "draft_name": "MODEL+suffix"}]
 
 
+def _draft_modes(n: int, d: int) -> list[dict]:
+    fixed = {"kind": "sequoia", "budget": n, "depth": d}
+    return ([{"mode": "plain-streamed", "kind": "none", "draft": False}]
+            + [{"mode": name, "draft_name": name, **fixed} for name in ("default", "self-int8", "self-int4")]
+            + [{"mode": name + tail, "draft_name": name, "overlap": overlap, **fixed}
+               for name in ("self-q8", "self-q4") for tail, overlap in (("", "on"), ("-no-overlap", "off"))])
+
+
 def _load(args, m: dict):
     from offload_engine import Engine
-    kw = dict(device=args.device, offload=m.get("offload", args.offload), progress=False)
+    kw = dict(device=args.device, offload=m.get("offload", args.offload), progress=False,
+              weights=getattr(args, "weights", "auto"), overlap=m.get("overlap", "auto"))
     if m.get("draft", True):
         kw.update(draft=m.get("draft_name", "MODEL").replace("MODEL", args.draft),
                   tree=m.get("tree", "auto" if m["kind"] == "auto" else m["kind"]), adapt=m.get("adapt", True))
@@ -138,7 +162,7 @@ def _load(args, m: dict):
 def _empty() -> dict:
     return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
             "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": [], "suffix_accepted": 0,
-            "suffix_matched": 0, "gate_runs": 0, "gate_skips": 0}
+            "suffix_matched": 0, "gate_runs": 0, "gate_skips": 0, "split": {}, "ahead_hits": 0, "ahead_misses": 0}
 
 
 def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_tokens: int) -> None:
@@ -152,6 +176,11 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     acc["new_tokens"] += s["new_tokens"]
     acc["token_ids"].append(r.token_ids)
     acc["auto"] = s.get("auto")
+    for k, v in (s.get("step_split") or {}).items():
+        acc["split"][k] = acc["split"].get(k, 0.0) + v
+    if s.get("overlap"):
+        acc["ahead_hits"] += s["overlap"]["hits"]
+        acc["ahead_misses"] += s["overlap"]["misses"]
     if s.get("suffix"):
         acc["suffix_accepted"] += s["suffix"]["accepted_tokens"]
         acc["suffix_matched"] += s["suffix"]["matched_steps"]
@@ -212,8 +241,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.auto_study and args.suffix_study:
         from offload_engine.errors import UserError
         raise UserError("--auto-study and --suffix-study are separate runs: give one")
+    if sum(map(bool, (args.auto_study, args.suffix_study, args.draft_study))) > 1:
+        from offload_engine.errors import UserError
+        raise UserError("--auto-study, --suffix-study and --draft-study are separate runs: give one")
     suffix_tree = tuple(int(x) for x in args.suffix_tree.split(","))
     modes = (_study_modes(hindsight) if args.auto_study else _suffix_modes(*suffix_tree) if args.suffix_study
+             else _draft_modes(*(int(x) for x in args.study_tree.split(","))) if args.draft_study
              else _modes(budgets))
     if args.modes:  # a subset (the baseline always runs: every ratio is against it)
         from offload_engine.errors import UserError
@@ -247,7 +280,11 @@ def run(args: argparse.Namespace) -> dict:
                            "depth": m.get("depth", 1), "temperature": t,
                            **{k: r[k] for k in ("tokens_per_step", "seconds_per_token", "target_passes",
                                                 "bytes_streamed_per_token", "steps", "tokens")}}
-                    if "draft_name" in m:  # suffix drafts: tokens they gave, steps they matched
+                    if r["steps"] and r["split"]:  # each step's time split, ms per step
+                        row["split_ms_per_step"] = {k: 1e3 * v / r["steps"] for k, v in r["split"].items()}
+                    if r["ahead_hits"] + r["ahead_misses"]:  # steps whose next tree was grown in the pass
+                        row["ahead_hits"], row["ahead_steps"] = r["ahead_hits"], r["ahead_hits"] + r["ahead_misses"]
+                    if "suffix" in m.get("draft_name", ""):  # suffix drafts: tokens they gave, steps they matched
                         row["suffix_accepted_tokens"], row["suffix_matched_steps"] = (r["suffix_accepted"],
                                                                                       r["suffix_matched"])
                         if m["kind"] == "suffix" and m.get("adapt", True):  # the gate: proposals run, skipped
@@ -294,6 +331,9 @@ def run(args: argparse.Namespace) -> dict:
             peer["speedup_vs_plain_streamed"] = base["seconds_per_token"] / peer["seconds_per_token"]
             peer["plain_streamed_over_peer"] = peer["seconds_per_token"] / base["seconds_per_token"]
     return {"setting": {"target": args.target, "draft": args.draft, "offload": args.offload, "device": args.device,
+                        "weights": getattr(args, "weights", "auto"),
+                        "study": "draft" if args.draft_study else "suffix" if args.suffix_study else
+                                 "auto" if args.auto_study else None,
                         "prompts": len(prompts), "prompts_file": str(args.prompts),
                         "max_new_tokens": args.max_new_tokens, "temperatures": temps,
                         "budgets": budgets}, "rows": rows, "peer": peer,
@@ -335,6 +375,15 @@ def markdown(res: dict) -> str:
         lines.append(f"| {mode} | {r['temperature']:g} | {r['budget']}, {r['depth']} | {r['tokens_per_step']:.2f} | "
                      f"{r['seconds_per_token']:.4f} | {r['speedup_vs_plain_streamed']:.2f}x | {r['target_passes']} | "
                      f"{r['bytes_streamed_per_token'] / 1e6:.1f} | {eq} |")
+    split = [r for r in res["rows"] if "split_ms_per_step" in r and r["mode"] != "best-fixed"]
+    if split:  # where each step's time went
+        lines += ["", "| mode | T | draft before the pass (ms/step) | draft overlapped (in the pass) | pass (without it) "
+                      "| rest | next tree grown ahead and used |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in split:
+            sp = r["split_ms_per_step"]
+            used = f"{r['ahead_hits']} of {r['ahead_steps']} steps" if "ahead_steps" in r else "-"
+            lines.append(f"| {r['mode']} | {r['temperature']:g} | {sp['draft_before_pass']:.1f} | "
+                         f"{sp['draft_overlapped']:.1f} | {sp['target_pass']:.1f} | {sp['rest']:.1f} | {used} |")
     p = res.get("peer")
     if p and "error" not in p:
         lines.append(f"| peer: {p['kind']} | 0 | - | 1.00 | {p['seconds_per_token']:.4f} | "
@@ -352,7 +401,9 @@ def plots(res: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     if any(r["kind"] == "suffix" for r in res["rows"]):
-        return [_mode_bars(res, folder, plt)]
+        return [_mode_bars(res, folder, plt, "suffix_study.png")]
+    if res["setting"].get("study") == "draft":
+        return [_mode_bars(res, folder, plt, "draft_study.png")]
     for key, label, name in (("tokens_per_step", "tokens per step", "tokens_per_step.png"),
                              ("speedup_vs_plain_streamed", "speed-up over plain streamed decoding", "speedup.png")):
         fig, axes = plt.subplots(1, len(res["setting"]["temperatures"]), figsize=(11, 4), squeeze=False)
@@ -380,8 +431,8 @@ def plots(res: dict, folder: Path) -> list[Path]:
     return out
 
 
-def _mode_bars(res: dict, folder: Path, plt) -> Path:
-    """--suffix-study: tokens/step and speed-up per mode, bars side by side per temperature."""
+def _mode_bars(res: dict, folder: Path, plt, name: str) -> Path:
+    """--suffix-study, --draft-study: tokens/step and speed-up per mode, bars side by side per temperature."""
     temps = res["setting"]["temperatures"]
     modes = [r["mode"] for r in res["rows"] if r["temperature"] == temps[0] and r["mode"] != "best-fixed"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -398,7 +449,7 @@ def _mode_bars(res: dict, folder: Path, plt) -> Path:
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(Path(res["setting"].get("prompts_file", "")).name)
     fig.tight_layout()
-    path = folder / "suffix_study.png"
+    path = folder / name
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -35,8 +35,8 @@ from .runtime.quant import DEFAULT_GROUP_SIZE
 from .speculation.acceptance_store import draft_key, nearest, stored_vectors
 from .speculation.decoder import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
 from .speculation.suffix import DEFAULT_MEMORY, MAX_PATTERN, SuffixDrafter, SuffixStore, split_draft
-from .speculation.drafts import (SELF_DRAFTS, build_self_draft, check_group_size, default_draft_dir, self_draft_bytes,
-                                 self_draft_scheme)
+from .speculation.drafts import (SELF_DRAFTS, SUBSTITUTE_DRAFTS, build_self_draft, check_group_size, default_draft_dir,
+                                 is_substitute_draft, self_draft_bytes, self_draft_scheme, substitute_layer_bytes)
 
 DEFAULT_MAX_CONTEXT = 8192
 OnToken = Callable[[int, str], None]
@@ -131,9 +131,13 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     finally:
         ckpt.close()
     draft_bytes, draft_folder, draft_cfg = _draft_parts(draft, folder, cfg, dt, draft_group_size, progress)
-    # the draft's own KV caches, one per slot (a self-draft has the target's shape)
-    draft_kv = cache_slots * kv_cache_bytes(draft_cfg or cfg, dt, limit + max_batch_tokens) if draft is not None else 0
-    plan = make_placement(cfg, dt, dev, opts, limit, draft_bytes, draft_kv, layout)
+    # the draft's own KV caches, one per slot (a self-draft has the target's shape); a substitute
+    # draft has none (it shares the target's) and a quantised copy of each streamed layer only
+    substitute = substitute_layer_bytes(cfg, dt, self_draft_scheme(draft), draft_group_size) \
+        if is_substitute_draft(draft) else 0
+    draft_kv = cache_slots * kv_cache_bytes(draft_cfg or cfg, dt, limit + max_batch_tokens) \
+        if draft is not None and not substitute else 0
+    plan = make_placement(cfg, dt, dev, opts, limit, draft_bytes, draft_kv, layout, substitute)
     return _Setup(folder, cfg, dev, dt, limit, opts, plan, draft_folder, draft_cfg, layout)
 
 
@@ -146,6 +150,8 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
     if scheme is not None:
         if scheme == "int4":
             check_group_size(cfg, group_size)
+        if is_substitute_draft(draft):  # counted per streamed layer by the plan
+            return 0, None, None
         return self_draft_bytes(cfg, dtype, scheme, group_size), None, None
     if str(draft) == "default":
         folder = default_draft_dir(target_folder, progress)
@@ -153,7 +159,8 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
         path, named = Path(draft).expanduser(), is_model_name(str(draft))
         if not named and not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
             raise UserError(f"--draft {draft}: not a checkpoint folder, a .gguf file, a Hugging Face id "
-                            f"(org/name), ollama:NAME, 'default', {' or '.join(repr(k) for k in SELF_DRAFTS)}")
+                            f"(org/name), ollama:NAME, 'default', "
+                            f"{', '.join(repr(k) for k in (*SELF_DRAFTS, *SUBSTITUTE_DRAFTS))}")
         folder = resolve_target(str(draft) if named else path, progress)
     draft_cfg = load_config(folder)
     if is_sidecar(folder):  # resident in its own block formats
@@ -238,6 +245,7 @@ class Engine:
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
         self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
+        self.overlap = False  # the draft grows the next tree during the pass (Engine.load overlap=)
         self.suffix_gated = False  # --draft suffix alone, --tree auto: a `SuffixGate` per temperature
         self.gates: dict = {}
         # --draft suffix / X+suffix: earlier requests' prompts and outputs, per store key
@@ -271,7 +279,8 @@ class Engine:
              specinfer_width: int = 4,
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
              cache_slots: int = 1, weights: str = "auto", adapt: bool = True,
-             suffix_memory: int = DEFAULT_MEMORY, verify_reads: bool = False, progress: bool = True) -> "Engine":
+             suffix_memory: int = DEFAULT_MEMORY, verify_reads: bool = False, overlap: str = "auto",
+             progress: bool = True) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -294,7 +303,12 @@ class Engine:
         prompt and output so far and a store of earlier requests' (`suffix_memory` tokens at most);
         "X+suffix" grafts those drafts onto draft X's trees. Each streamed layer block is checked
         against its build-time checksum on its first read; `verify_reads` checks every disk read.
+        `overlap` ("auto", "on", "off"): while the target's pass waits for streamed layers, the
+        draft grows the next step's tree ahead (static trees; "auto": on for the substitute
+        self-drafts "self-q8"/"self-q4", whose levels are the target's own resident layers).
         """
+        if overlap not in ("auto", "on", "off"):
+            raise UserError(f"--overlap must be auto, on or off, got {overlap!r}")
         draft, use_suffix = split_draft(draft)
         if use_suffix and suffix_memory < 0:
             raise UserError(f"--suffix-memory must be >= 0 tokens, got {suffix_memory}")
@@ -332,7 +346,9 @@ class Engine:
             model = load_target(ckpt, s.dtype, s.device, s.plan, s.opts, progress, s.layout)
             scheme = self_draft_scheme(draft)
             if scheme is not None:
-                draft_model = build_self_draft(ckpt, model, scheme, draft_group_size)
+                resident = ({i: model.layers.resident[i] for i in s.plan.resident_layers}
+                            if is_substitute_draft(draft) else None)
+                draft_model = build_self_draft(ckpt, model, scheme, draft_group_size, resident=resident)
         finally:
             ckpt.close()
         stored, target_fp, dkey = {}, None, None
@@ -344,6 +360,7 @@ class Engine:
                      draft_model, spec if draft_model is not None else TreeSpec(), cache_slots)
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
         engine.adapt = adapt
+        engine.overlap = overlap == "on" or (overlap == "auto" and is_substitute_draft(draft))
         if use_suffix:
             engine.suffix_store = SuffixStore(suffix_memory)
             # --draft suffix alone: with --tree auto (and adaptation) each proposal is run, trimmed
@@ -472,7 +489,7 @@ class Engine:
         choose = planner.choose_arm if planner is not None and drafter is not None else gate.choose if gate else None
         decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
-                                     timed=adaptive, suffix=drafter, choose=choose)
+                                     timed=adaptive, suffix=drafter, choose=choose, overlap=self.overlap)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -485,6 +502,8 @@ class Engine:
         # steps by the number of tree nodes they accepted (0 .. depth-1)
         by_length = [0] * (planner.max_depth if adaptive else spec.depth)
         pending = [token]
+        split = dict.fromkeys(("draft_before_pass", "draft_overlapped", "target_pass", "rest"), 0.0)
+        ahead_levels = 0
         while True:
             t_emit = time.perf_counter()
             done, eos = self._emit(pending, new, stream, budget, on_token)
@@ -493,6 +512,11 @@ class Engine:
                 break
             step = decoder.step(new[-1])
             steps += 1
+            lt = decoder.last_times
+            for key, value in (("draft_before_pass", lt.draft), ("draft_overlapped", lt.ahead),
+                               ("target_pass", lt.target - lt.ahead), ("rest", lt.rest)):
+                split[key] += value
+            ahead_levels += lt.ahead_levels
             for rank in step.verify.accepted_ranks:
                 by_rank[min(rank, len(by_rank) - 1)] += 1
             by_length[min(len(step.verify.accepted), len(by_length) - 1)] += 1
@@ -525,6 +549,10 @@ class Engine:
                  "acceptance_by_rank": by_rank, "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
                  "auto": None if auto is None else _auto_stats(auto, planner),
+                 # seconds of the steps' parts (the target's pass without the draft work done in it)
+                 "step_split": split,
+                 "overlap": None if not decoder.overlap else {
+                     "hits": decoder.ahead_hits, "misses": decoder.ahead_misses, "levels_used": ahead_levels},
                  **self.model.layers.snapshot().minus(before).as_dict()}
         return GenerationResult(stream.text, new, finish, stats)
 

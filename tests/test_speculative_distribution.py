@@ -28,6 +28,10 @@ its negative control breaks the verifier as for sequoia, with sequoia's sample s
 Suffix drafts (`test_first_two_tokens_with_suffix_drafts_have_the_target_distribution`): trees
 read off a fixed store of earlier text, alone (every node a fixed proposal) and grafted onto the
 draft's Sequoia tree; their control verifies the suffix nodes as if the draft had drawn them.
+A draft sharing the target's KV cache whose next trees are grown ahead (a substitute
+self-draft with overlap, `test_four_tokens_with_a_shared_cache_and_trees_grown_ahead_...`): four
+tokens, the first two's joint and the later two's, whose steps start from trees grown ahead; its
+control uses a tree grown ahead when the step ended at its node with another bonus token.
 Power, written down: a bias of Cohen's effect size w = sqrt(sum (p_bad - p)^2 / p) gives the
 chi-square statistic a noncentrality lambda = N w^2. Each control's w was measured on this fixture
 with 4,000 samples (CONTROL_BIAS), and each kind's sample size N (SAMPLES) is chosen so that the
@@ -404,3 +408,103 @@ def test_suffix_sample_sizes_give_the_power_written_down():
         df = V - 1 if statistic == "first" else 60
         power = stats.ncx2.sf(stats.chi2.ppf(1 - ALPHA / 2, df), df, SUFFIX_SAMPLES[kind] * w * w)
         assert power >= MIN_POWER, f"{kind}: power {power:.3f} with {SUFFIX_SAMPLES[kind]} samples"
+
+
+# A draft on the target's own KV cache (a substitute self-draft's way, `shares_cache`) whose next
+# trees are grown ahead for the likeliest ends of each step and used when their case comes
+# (overlap "eager": all of that before the pass, as a pass with time for it would). A tree grown
+# ahead serves the step after a step that accepted a path, so the test reads four tokens: the
+# first two's joint (as above) and the third and fourth's joint, whose steps often started from
+# a tree grown ahead, each against the target's exact distribution by enumeration. Its control
+# is the bug of a decoder that uses a tree grown ahead when the step ended at the tree's node but
+# with another bonus token. Its effect size on the first two's joint, measured on this
+# configuration with 2,000 samples: w = 0.50, where a correct run measured 0.175 (the noise of
+# 2,000 samples, sqrt(60 / 2000) = 0.17), so a bias of sqrt(0.50^2 - 0.175^2) = 0.47; written
+# down as 0.45. (On the later joint: 0.34 against 0.19.) The same run: 36% of correct samples
+# had a later step start from a tree grown ahead.
+SHARED_CONTROL_BIAS = ("joint", 0.45)
+SHARED_SAMPLES = 700
+
+
+def sample_four_tokens_shared(target, draft, spec, n, seed, overlap="eager"):
+    """n draws of the first four tokens after PROMPT + [ROOT], the draft sharing the target's
+    cache and growing ahead: (counts of the first two, counts of the 3rd and 4th, per sample
+    whether a step after the first started from a tree grown ahead)."""
+    torch.set_num_threads(1)
+    draft.shares_cache = True
+    dec = SpeculativeDecoder(target, draft, spec, PARAMS, torch.Generator().manual_seed(seed), 64, overlap=overlap)
+    dec.prefill(PROMPT, 64)
+    base = dec.target_cache.length
+    first, later, ahead = [], [], []
+    for _ in range(n):
+        out, r, used = [], ROOT, 0
+        while len(out) < 4:
+            step = dec.step(r)
+            used += bool(out) and dec.last_times.ahead_levels > 0
+            out += step.tokens
+            r = step.tokens[-1]
+        first.append(out[0] * V + out[1])
+        later.append(out[2] * V + out[3])
+        ahead.append(used)
+        dec.target_cache.truncate(base)  # back to the same state for the next sample
+        del dec.seqs[0].tokens[base:]
+        dec.forget_ahead()
+    count = lambda xs: np.bincount(xs, minlength=V * V).astype(float)  # noqa: E731
+    return count(first), count(later), np.array(ahead)
+
+
+def exact_later_joint(target, ids):
+    """P(x3, x4 | ids) for the target: the joint of the next two after every (x1, x2)."""
+    first = exact_joint(target, ids)
+    return sum(first[a * V + b] * exact_joint(target, ids + [a, b]) for a in range(V) for b in range(V))
+
+
+_case_came = SpeculativeDecoder._case_came
+
+
+def _anchor_only(job, last, result):
+    return job.anchor == last
+
+
+def _shared_worker(paths, n: int, seed: int, broken: bool):
+    # the bug: a tree grown ahead used when the step ended at its node, whatever the bonus token
+    # (so the tree's root is the guess, not the token the target chose)
+    SpeculativeDecoder._case_came = staticmethod(_anchor_only if broken else _case_came)
+    decoder.AHEAD_JOBS, decoder.AHEAD_GUESSES, decoder.AHEAD_WIDTH = 16, 4, 64  # the likeliest cases, whole
+    return sample_four_tokens_shared(load(paths[0]), load(paths[1]), SPECS["sequoia"], n, seed)
+
+
+def _shared_in_parallel(pool, paths, n, seed, broken=False):
+    jobs = [pool.submit(_shared_worker, paths, m, seed * 1000 + i, broken) for i, m in enumerate(shares(n))]
+    parts = [j.result() for j in jobs]
+    return (sum(c for c, _, _ in parts), sum(c for _, c, _ in parts), np.concatenate([h for _, _, h in parts]))
+
+
+def _shared_p_values(target, first, later) -> dict[str, float]:
+    ids = PROMPT + [ROOT]
+    return {"joint": chi_square_p(first, exact_joint(target, ids)),
+            "later joint": chi_square_p(later, exact_later_joint(target, ids))}
+
+
+def test_four_tokens_with_a_shared_cache_and_trees_grown_ahead_have_the_target_distribution(models, paths, pool):
+    target, _ = models
+    first, later, ahead = _shared_in_parallel(pool, paths, SHARED_SAMPLES, seed=31)
+    assert first.sum() == later.sum() == SHARED_SAMPLES
+    # not degenerate: samples in which a later step started from a tree grown ahead (0.36 measured)
+    assert (ahead >= 1).mean() >= 0.2, np.bincount(ahead)
+    p = _shared_p_values(target, first, later)
+    assert min(p.values()) > ALPHA / 2, p
+
+
+def test_a_tree_grown_ahead_used_for_another_bonus_fails_the_shared_cache_test(models, paths, pool):
+    target, _ = models
+    first, later, _ = _shared_in_parallel(pool, paths, SHARED_SAMPLES, seed=31, broken=True)
+    p = _shared_p_values(target, first, later)
+    assert min(p.values()) < ALPHA / 2, p
+
+
+def test_shared_cache_sample_size_gives_the_power_written_down():
+    statistic, w = SHARED_CONTROL_BIAS
+    df = V - 1 if statistic == "first" else 60
+    power = stats.ncx2.sf(stats.chi2.ppf(1 - ALPHA / 2, df), df, SHARED_SAMPLES * w * w)
+    assert power >= MIN_POWER, f"power {power:.3f} with {SHARED_SAMPLES} samples"

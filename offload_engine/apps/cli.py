@@ -40,13 +40,18 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="draft kept resident: a checkpoint folder, .gguf file, Hugging Face id or ollama:NAME "
                         "(same tokenizer); 'default' (the embedded "
                         "target's distilled draft); 'self-int8' or 'self-int4' (the target's own layers "
-                        "quantised, sharing its embeddings and head); 'suffix' (no model: continuations of text "
+                        "quantised, sharing its embeddings and head); 'self-q8' or 'self-q4' (substitute "
+                        "self-drafts: the target's own resident layers, a quantised copy only of each streamed "
+                        "layer, and the target's KV cache shared); 'suffix' (no model: continuations of text "
                         "already seen); or any of the model drafts followed by '+suffix' (both, grafted)")
     t.add_argument("--suffix-memory", type=int, default=1_000_000,
                    help="--draft ...suffix: tokens of earlier prompts and outputs kept to draft from (default "
                         "1,000,000, 4 bytes each; the oldest are forgotten)")
+    t.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
+                   help="grow the next step's tree while the target's pass waits for streamed layers (static "
+                        "trees; default auto: on for the substitute self-drafts self-q8 / self-q4)")
     t.add_argument("--draft-group-size", type=int, default=64,
-                   help="self-int4: inputs per quantisation group (default 64)")
+                   help="self-int4 / self-q4: inputs per quantisation group (default 64)")
     t.add_argument("--tree", default="auto", choices=("auto", "sequoia", "specexec", "specinfer", "chain", "none"),
                    help="tree kind (default auto: Sequoia's optimal tree, its size and depth chosen from this "
                         "machine's measured profile and the pair's acceptance vector, both measured once and "
@@ -250,7 +255,8 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        draft_group_size=args.draft_group_size, cache_slots=getattr(args, "cache_slots", 1),
                        weights=args.weights, adapt=getattr(args, "adapt", True),
                        suffix_memory=getattr(args, "suffix_memory", 1_000_000),
-                       verify_reads=getattr(args, "verify_reads", False), progress=not quiet)
+                       verify_reads=getattr(args, "verify_reads", False), overlap=getattr(args, "overlap", "auto"),
+                       progress=not quiet)
 
 
 def _acceptance(path: str | None):

@@ -21,6 +21,14 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
 
+    def view(self) -> "KVCache":
+        """Another cache over the same K/V buffers with a length of its own: a substitute draft
+        writes its tree's K/V after the committed length through it, while the target's own
+        length (and the committed K/V before it) stays as the target left it."""
+        other = KVCache.__new__(KVCache)
+        other.k, other.v, other.length = self.k, self.v, self.length
+        return other
+
     @property
     def capacity(self) -> int:
         return self.k.shape[3]
@@ -66,6 +74,12 @@ class KVCache:
         self.k[:, :, :, self.length:end] = self.k.index_select(3, idx)
         self.v[:, :, :, self.length:end] = self.v.index_select(3, idx)
         self.length = end
+
+    def move(self, src: int, dst: int, count: int) -> None:
+        """Copy the K/V of slots src..src+count to dst..dst+count, all layers (the ranges may overlap)."""
+        if count:
+            self.k[:, :, :, dst:dst + count] = self.k[:, :, :, src:src + count].clone()
+            self.v[:, :, :, dst:dst + count] = self.v[:, :, :, src:src + count].clone()
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -41,7 +41,7 @@ def default_buffers(device: torch.device) -> int:
 
 def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, opts: OffloadOptions,
                    max_context: int, draft_bytes: int = 0, draft_kv_bytes: int = 0,
-                   store: StoreLayout | None = None) -> PlacementPlan:
+                   store: StoreLayout | None = None, substitute_bytes: int = 0) -> PlacementPlan:
     default_vram, default_ram = (None, None)
     if opts.vram is None or opts.ram is None:
         default_vram, default_ram = default_budgets(device)
@@ -52,7 +52,7 @@ def make_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, o
                      ram_bytes=parse_size(opts.ram) if opts.ram is not None else default_ram,
                      buffers=opts.buffers or default_buffers(device), max_context=max_context, max_batch_tokens=opts.max_batch_tokens,
                      draft_bytes=draft_bytes, cache_slots=opts.cache_slots, draft_kv_bytes=draft_kv_bytes,
-                     store=store)
+                     store=store, substitute_bytes=substitute_bytes)
 
 
 def _host_block(nbytes: int, device: torch.device) -> torch.Tensor:

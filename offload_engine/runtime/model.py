@@ -146,6 +146,8 @@ class Transformer:
         # set by the engine for one generation: when the event is set, the next layer boundary
         # raises GenerationCancelled (the layer executor restarts its loader for the next pass)
         self.interrupt: threading.Event | None = None
+        # a substitute self-draft (speculation/drafts.py): runs on the target's KV cache
+        self.shares_cache = False
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",

@@ -169,7 +169,8 @@ def fixed_parts(cfg: ModelConfig, dtype: torch.dtype, max_context: int, max_batc
 def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vram_bytes: int,
               ram_bytes: int, buffers: int = 2, max_context: int, max_batch_tokens: int,
               draft_bytes: int = 0, layer_bytes: int | None = None, cache_slots: int = 1,
-              draft_kv_bytes: int = 0, store: StoreLayout | None = None, scratch_bytes: int = 0) -> PlacementPlan:
+              draft_kv_bytes: int = 0, store: StoreLayout | None = None, scratch_bytes: int = 0,
+              substitute_bytes: int = 0) -> PlacementPlan:
     """Decide each layer's tier. Refuses, naming the numbers, a plan that cannot fit.
     `store` gives each layer's stored bytes and formats (layer_store.store_layout); without it
     every layer is a dense block in `dtype`, or `layer_bytes` (the simulator's quantised weights,
@@ -177,7 +178,11 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
 
     Resident layers are dequantized once at load ("dense") when the whole model fits the device
     that way; otherwise, when the store holds packed formats, they stay in their blocks and are
-    dequantized per use ("blocks"), whenever that keeps more of them resident."""
+    dequantized per use ("blocks"), whenever that keeps more of them resident.
+
+    substitute_bytes: a substitute self-draft's quantised copy of one layer (`--draft self-q4`),
+    needed on the device for every streamed layer and for no resident one: the layers kept
+    resident are chosen with both counted."""
     if offload not in OFFLOAD_MODES:
         raise UserError(f"--offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     if buffers < 1:
@@ -216,19 +221,23 @@ def make_plan(cfg: ModelConfig, dtype: torch.dtype, *, offload: str = "auto", vr
     if scratch:
         fixed["dequant scratch"] = buffers * scratch
         need += buffers * scratch
-    if need > vram_bytes:
+    sub = substitute_bytes
+    if need + L * sub > vram_bytes:
+        subs = {"draft substitutes (every layer)": L * sub} if sub else {}
         raise UserError(f"--vram {fmt_bytes(vram_bytes)} is too small for the resident parts: "
-                        f"{_parts(fixed)} = {fmt_bytes(need)}")
+                        f"{_parts({**fixed, **subs})} = {fmt_bytes(need + L * sub)}")
     fmt, n_res = "dense", 0
-    if offload == "auto" and dense is not None:
-        n_res = min(L - 1, (vram_bytes - need) // dense)
-    if offload == "auto" and scratch and need + biggest <= vram_bytes:
+    if offload == "auto" and dense is not None:  # each resident layer costs its bytes, saves a substitute
+        n_res = min(L - 1, (vram_bytes - need - L * sub) // (dense - sub)) if dense > sub else L - 1
+    if offload == "auto" and scratch and need + biggest + L * sub <= vram_bytes:
         room, n_blocks = vram_bytes - need - biggest, 0
-        while n_blocks < L - 1 and sum(sizes[:n_blocks + 1]) <= room:
+        while n_blocks < L - 1 and sum(sizes[:n_blocks + 1]) + (L - n_blocks - 1) * sub <= room:
             n_blocks += 1
         if n_blocks > n_res:
             n_res, fmt = n_blocks, "blocks"
             fixed["dequant scratch (one matrix)"] = biggest
+    if sub:
+        fixed[f"draft substitutes ({L - n_res} streamed layers)"] = (L - n_res) * sub
     streamed = list(range(n_res, L))
     if offload == "disk":
         n_ram = 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,7 @@ from .placement import PlacementPlan
 _POLL_S = 0.2  # how often a blocked thread checks whether the executor was closed
 SWITCH_INTERVAL_S = 0.0005
 _CUDA_HOST_REGISTER_PORTABLE = 1
+IDLE_TAIL_LAYERS = 2  # no idle work while waiting for the last layers: the pass would end late
 
 
 @dataclass
@@ -58,6 +59,7 @@ class StreamStats:
     stall_seconds: float = 0.0  # time the compute side waited for a layer's bytes
     dequant_seconds: float = 0.0  # time turning streamed blocks into compute-dtype weights (copy side)
     pass_seconds: float = 0.0
+    idle_work_seconds: float = 0.0  # of the stalls: other work done while waiting (`LayerExecutor.idle`)
 
     prefetched_bytes: int = 0  # filled ahead for the next pass, not yet consumed (when read)
 
@@ -111,6 +113,10 @@ class LayerExecutor:
             self.device = device = torch.device("cuda", device.index if device.index is not None
                                                 else torch.cuda.current_device())
         self._in_pass = False
+        # work to do while a pass waits for a streamed layer (a draft growing the next tree:
+        # `SpeculativeDecoder`): called, one unit at a time, while the layer is not in yet;
+        # returns False when it has nothing left
+        self.idle: Callable[[], bool] | None = None
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
@@ -220,7 +226,7 @@ class LayerExecutor:
                     w = self.resident[i]
                 else:
                     b = self._consumed % len(self.buffers)
-                    self._acquire(self.ready[b])
+                    self._wait_ready(b, i)
                     held = b
                     with self._lock:  # the bytes this buffer's fill moved, counted as consumed
                         read, copied = self.filled[b]
@@ -261,6 +267,31 @@ class LayerExecutor:
             self.free_events[b].record(stream)
         self._consumed += 1
         self.free[b].release()
+
+    def _wait_ready(self, b: int, i: int) -> None:
+        """Wait for buffer b's layer (layer i), doing `idle` work while it is not in: on the CPU
+        while the loader has not filled it, on CUDA while its copy has not landed (the work is
+        queued on the compute stream ahead of the layer, so it runs in the gap)."""
+        idle = self.idle if i < self.plan.num_layers - IDLE_TAIL_LAYERS else None
+        if idle is None:
+            return self._acquire(self.ready[b])
+        while not self.ready[b].acquire(blocking=False):
+            if self._error is not None:
+                self._raise_loader_error()
+            if not self._idle_unit(idle):
+                return self._acquire(self.ready[b])
+        if self._error is not None:
+            self._raise_loader_error()
+        if self.cuda:
+            while not self.ready_events[b].query() and self._idle_unit(idle):
+                pass
+
+    def _idle_unit(self, idle: Callable[[], bool]) -> bool:
+        start = time.perf_counter()
+        more = idle()
+        with self._lock:
+            self.stats.idle_work_seconds += time.perf_counter() - start
+        return more
 
     def _acquire(self, sem: threading.Semaphore) -> None:
         while not sem.acquire(timeout=_POLL_S):

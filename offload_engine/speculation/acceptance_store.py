@@ -30,10 +30,8 @@ STORE_DIR = INSTALL_ROOT / "hw_profiles" / "acceptance"
 
 def draft_key(draft: str | Path, draft_folder: Path | None, group_size: int) -> str | None:
     scheme = self_draft_scheme(draft)
-    if scheme == "int8":
-        return "self-int8"
-    if scheme == "int4":
-        return f"self-int4-g{group_size}"
+    if scheme is not None:  # self-int8, self-int4-g64, self-q8, self-q4-g64
+        return str(draft) + (f"-g{group_size}" if scheme == "int4" else "")
     fp = fingerprint(draft_folder)
     return "model:" + fp if fp is not None else None
 

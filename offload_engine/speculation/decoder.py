@@ -28,6 +28,7 @@ token -1: it runs through the passes as token 0, is never accepted, and changes 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ class StaticShape:
             depths[i] = depths[p] + 1
             mask[i] = mask[p]
             mask[i, i] = True
-        self.parents, self.n = parents, n
+        self.parents, self.n, self.host_depths = parents, n, depths
         self.mask = mask.to(device)
         self.depths = torch.tensor(depths, device=device)
         bounds = [0] + [i for i in range(1, n) if depths[i] != depths[i - 1]] + [n]
@@ -117,6 +118,7 @@ class StaticShape:
         for i in range(1, n):
             rank_of[i] = seen.get(parents[i], 0)
             seen[parents[i]] = rank_of[i] + 1
+        self.rank_of, self._end_scores = rank_of, {}
         for lo, hi, nxt in zip(bounds, bounds[1:], bounds[2:] + [None]):
             if nxt is None:
                 self.levels.append((lo, hi, None))
@@ -124,6 +126,27 @@ class StaticShape:
             rows = torch.tensor([parents[j] - lo for j in range(hi, nxt)], device=device)
             ranks = torch.tensor([rank_of[j] for j in range(hi, nxt)], device=device)
             self.levels.append((lo, hi, (hi, nxt, rows, ranks, max(rank_of[hi:nxt]) + 1)))
+
+    def end_scores(self, acceptance: AcceptanceVector) -> torch.Tensor:
+        """[n, AHEAD_GUESSES]: per node and guess g, the probability, by the acceptance vector,
+        that a step ends at the node with the draft's g-th choice outside its children as the
+        bonus token: the path's acceptance (probs[rank] per edge) times probs[children + g] (past
+        the vector's ranks, half the probability it leaves)."""
+        key = (acceptance, AHEAD_GUESSES)
+        if key not in self._end_scores:
+            p, n = acceptance.probs, self.n
+            tail = acceptance.reject_all / 2  # a rank past the vector's: half the mass it leaves
+            kids = [0] * n
+            for i in range(1, n):
+                kids[self.parents[i]] += 1
+            path = [1.0] * n
+            for i in range(1, n):
+                r = self.rank_of[i]
+                path[i] = path[self.parents[i]] * (p[r] if r < len(p) else tail)
+            end = [[path[i] * (p[kids[i] + g] if kids[i] + g < len(p) else tail) for g in range(AHEAD_GUESSES)]
+                   for i in range(n)]
+            self._end_scores[key] = torch.tensor(end, dtype=torch.float32, device=self.mask.device)
+        return self._end_scores[key]
 
 
 def _host_mask(parents: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +200,7 @@ class CachedSequence:
     cache: KVCache
     tokens: list[int]
     levels: StaticLevels | None = None  # the draft's padded (graphed) level passes over this cache
+    view: KVCache | None = None  # a substitute draft's view of this (the target's) cache
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -241,6 +265,39 @@ class PrefixCache:
         self._used = [0] * len(self._slots)
 
 
+AHEAD_JOBS = 4  # next trees grown ahead at once, for the most probable ends of this step
+AHEAD_GUESSES = 2  # bonus tokens considered per end node: the draft's best ones outside its children
+AHEAD_WIDTH = 8  # nodes per batched level grown ahead: the top jobs whose level fits (at least one)
+
+
+@dataclass
+class AheadJob:
+    """The next tree for one case of this step's outcome: the accepted path ends at `anchor`
+    (a node of this step's tree) and the bonus token is `guess`."""
+    anchor: int
+    guess: int
+    score: float  # the case's probability (`StaticShape.end_scores`)
+    tokens: torch.Tensor  # [n] the next tree's tokens (-1: not drawn yet)
+    q_rows: list  # Q rows of its levels run, in order
+    guesses: torch.Tensor  # [n, AHEAD_GUESSES] per node run: the draft's best tokens outside its children
+    done: int = 0  # levels run (forward and children)
+
+
+@dataclass
+class GrownAhead:
+    """Next trees grown ahead during this step's target pass (ShadowSpec): for the few most
+    probable ends of this step (`AheadJob`, by the acceptance vector), the tree the next step
+    would grow if that case came, level by level, in batched draft passes (their K/V in the
+    draft cache's slots after this step's tree, job k's node j at slot0 + k*n + j). A job is
+    used only when its case comes; it is a proposal, never a decision: verification is as always."""
+    shape: "StaticShape"
+    base: int  # the draft cache's committed length during the pass (this tree's node 0 is there)
+    slot0: int  # the first slot after this step's tree
+    jobs: list
+    seconds: float = 0.0  # draft time spent on it inside the pass
+    levels: int = 0  # batched levels run
+
+
 @dataclass
 class StepTimes:
     """Wall seconds of one step's parts: the draft (catching up on tokens it missed, then the
@@ -249,6 +306,8 @@ class StepTimes:
     target: float
     total: float
     catch_up: float = 0.0  # of the draft's part: tokens it missed while steps decoded plainly
+    ahead: float = 0.0  # draft work done inside the target's pass (the next tree grown ahead)
+    ahead_levels: int = 0  # levels of this step's tree that were grown ahead in the last pass
 
     @property
     def rest(self) -> float:
@@ -272,13 +331,18 @@ class SpeculativeDecoder:
     on an accepted one at its next step. choose(proposal): for a step with a proposal, "model" (the
     spec's tree alone), "suffix" (the proposal alone: the draft sits the step out) or "hybrid"
     (`OnlinePlanner.choose_arm`), or ("suffix" or "model", the part of the proposal to run)
-    (`SuffixGate.choose`); without it, hybrid when there is a draft model, else the proposal."""
+    (`SuffixGate.choose`); without it, hybrid when there is a draft model, else the proposal.
+    A draft with `shares_cache` (a substitute self-draft) runs on the target's cache: no cache,
+    prefill or catching up of its own. overlap: while the target's pass waits for streamed layers
+    (`LayerExecutor.idle`), the draft grows the next step's static tree ahead for the likeliest
+    ends of this one (`GrownAhead`); "eager" runs all of that before the pass instead."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
                  verify: str = "auto", draft_graphs: str = "auto", max_nodes: int | None = None,
                  timed: bool = False, suffix: SuffixDrafter | None = None,
-                 choose: Callable[[SuffixProposal], str | tuple[str, SuffixProposal]] | None = None):
+                 choose: Callable[[SuffixProposal], str | tuple[str, SuffixProposal]] | None = None,
+                 overlap: bool | str = False):
         if spec.kind == "none" and max_nodes is None:
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         if verify not in VERIFY_MODES:
@@ -296,22 +360,46 @@ class SpeculativeDecoder:
         self.last_arm, self.last_proposal = "model", None  # what the last step ran, and its suffix proposal
         self.timed = timed
         self.last_times = StepTimes(0.0, 0.0, 0.0)
+        self._used_ahead = 0  # levels of the step's tree that came grown ahead
         self.chunk = 256  # set by prefill
         need = capacity + self.max_nodes + self.graft_room
+        # overlap: while the target's pass waits for streamed layers, the draft grows the next
+        # tree ahead (`GrownAhead`), in the draft cache's slots after this step's tree
+        # ("eager": every level grown ahead runs before the pass, on any target: tests, and
+        # what the grown-ahead trees give when there is time for all of them)
+        self.ahead_eager = overlap == "eager"
+        self.overlap = bool(overlap) and draft is not None and (self.ahead_eager or hasattr(target.layers, "idle"))
+        if self.overlap:
+            need += AHEAD_JOBS * self.max_nodes
+            if prefix_cache is not None:  # (near the context's end it then grows nothing ahead)
+                need = max(capacity + self.max_nodes + self.graft_room, min(need, prefix_cache.max_capacity))
+        self._ahead: GrownAhead | None = None  # being grown during this step's pass
+        self._ready: tuple[GrownAhead, int] | None = None  # (grown, job) for the step that starts now
+        self._tree_guesses = None  # per node of the step's tree, the bonus guess (where ahead jobs start)
+        self._ahead_view: KVCache | None = None  # the draft cache, as the ahead levels write it
+        self.ahead_hits = self.ahead_misses = 0
+        # a substitute self-draft shares the target's cache: one sequence, the draft writing its
+        # tree's K/V after the committed length through a view (the target's pass then writes
+        # its own K/V over the same slots, and only accepted ones are committed)
+        self.shared = draft is not None and draft.shares_cache
         self.seqs = [prefix_cache.sequence(m, need) if prefix_cache is not None
-                     else CachedSequence(m.new_cache(need), []) for m in (target, draft) if m is not None]
+                     else CachedSequence(m.new_cache(need), []) for m in (target, draft)
+                     if m is not None and not (self.shared and m is draft)]
         self.target_cache = self.seqs[0].cache
-        self.draft_cache = self.seqs[1].cache if draft is not None else None
+        if self.shared and self.seqs[0].view is None:
+            self.seqs[0].view = self.target_cache.view()
+        self.draft_seq = None if draft is None else self.seqs[0] if self.shared else self.seqs[1]
+        self.draft_cache = None if draft is None else self.seqs[0].view if self.shared else self.seqs[1].cache
         self.reused_tokens = 0  # prompt tokens whose target K/V came from the previous generation
         self.device = draft.device if draft is not None else target.device
         if draft_graphs == "auto":
             draft_graphs = "on" if self.device.type == "cuda" else "off"
         self.draft_levels = None
         if draft is not None and draft_graphs != "off":
-            seq = self.seqs[1]
+            seq = self.draft_seq
             if (seq.levels is None or seq.levels.capture != (draft_graphs == "on")
                     or seq.levels.attention != draft.attention):
-                seq.levels = StaticLevels(draft, seq.cache, capture=draft_graphs == "on")
+                seq.levels = StaticLevels(draft, self.draft_cache, capture=draft_graphs == "on")
             self.draft_levels = seq.levels
         self._draft_model = draft
         self._shapes: dict[tuple[int, ...], StaticShape] = {}
@@ -320,6 +408,10 @@ class SpeculativeDecoder:
         self.device_g = generator
         if draft is not None and self.device.type != "cpu":
             self.device_g = torch.Generator(self.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        # draws of trees grown ahead: a generator of their own, so that how far the growing got
+        # (a matter of timing) never shifts the draws of verification
+        self.ahead_g = torch.Generator(self.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator))) \
+            if self.overlap else None
 
     def set_spec(self, spec: TreeSpec) -> None:
         """The tree of the next steps (between steps only: a step's tree is fixed before the
@@ -380,11 +472,13 @@ class SpeculativeDecoder:
     def _catch_up_draft(self) -> None:
         """Run the draft over committed tokens it has not seen (steps decoded plainly while it
         sat out), so that its cache again holds every committed token but the root."""
-        seq = self.seqs[1]
+        seq = self.draft_seq
         self._feed(self.draft, seq, self.seqs[0].tokens, len(seq.tokens))
 
     def step(self, root: int) -> StepResult:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
+        if self._ready is not None and (not self.overlap or self.draft is None):
+            self._ready = None
         t_start = time.perf_counter()
         proposal = self.suffix.propose(root) if self.suffix is not None else None
         arm, full = "model", proposal
@@ -396,7 +490,9 @@ class SpeculativeDecoder:
         self.last_arm, self.last_proposal = arm, full  # (the whole proposal, whatever part of it runs)
         drafting = self.draft is not None and arm != "suffix"
         t_caught = t0 = time.perf_counter()  # (the draft's part starts after the lookup)
-        if drafting and len(self.seqs[1].tokens) < len(self.seqs[0].tokens):
+        if drafting and self.shared:  # the committed K/V are the target's: nothing to catch up
+            self.draft_cache.length = self.target_cache.length
+        elif drafting and len(self.draft_seq.tokens) < len(self.seqs[0].tokens):
             self._catch_up_draft()
             if self.timed and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -426,8 +522,29 @@ class SpeculativeDecoder:
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         self.last_nodes = len(parents)  # the width of this step's target pass
-        result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs, fixed)
+        used_ahead, self._used_ahead = self._used_ahead, 0
+        ahead = self._start_ahead(tokens) if (self.overlap and drafting and arm == "model" and not fixed
+                                              and self.shape is not None) else None
+        layers = self.target.layers
+        if ahead is not None and self.ahead_eager:
+            while self._ahead_unit():
+                pass
+        elif ahead is not None:
+            layers.idle = self._ahead_unit
+        try:
+            result, host_tokens = self._verify(parents, tokens, mask, depths, draft_probs, fixed)
+        finally:
+            if ahead is not None and not self.ahead_eager:
+                layers.idle = None
+            self._ahead = None
         t2 = time.perf_counter()
+        if ahead is not None and ahead.levels:
+            last = result.accepted[-1] if result.accepted else 0
+            match = next((k for k, job in enumerate(ahead.jobs) if job.done and self._case_came(job, last, result)),
+                         None)
+            self.ahead_hits += match is not None
+            self.ahead_misses += match is None
+            self._ready = (ahead, match) if match is not None else None
         path = [0] + list(result.accepted)
         kept = [host_tokens[i] for i in path]
         base = self.target_cache.length
@@ -441,14 +558,15 @@ class SpeculativeDecoder:
         else:  # the model's view: its children at the first grafted node's parent were all rejected
             self.last_model_verify = VerifyResult(result.accepted[:on_model - 1], host_tokens[path[on_model]],
                                                   result.accepted_ranks[:on_model - 1])
-        if drafting:  # (a step without the draft: it catches up at its next one)
+        if drafting and not self.shared:  # (a step without the draft: it catches up at its next one)
             dbase = self.draft_cache.length - n_model  # the tree's slots follow the committed ones
             self.draft_cache.truncate(dbase)
             self.draft_cache.commit([dbase + i for i in path[:on_model]])
             self.seqs[1].tokens.extend(kept[:on_model])  # (the rest: caught up at the next step)
         if self.suffix is not None:
             self.suffix.extend(kept)
-        self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t_start, t_caught - t0)
+        self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t_start, t_caught - t0,
+                                    ahead.seconds if ahead is not None else 0.0, used_ahead)
         return StepResult(kept[1:] + [result.bonus_token], result)
 
     def _graft(self, parents, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor, proposal):
@@ -516,19 +634,21 @@ class SpeculativeDecoder:
         cache.advance(hi - lo)
         return logits
 
-    def _children(self, logits: torch.Tensor, k: int, with_replacement: bool = False):
+    def _children(self, logits: torch.Tensor, k: int, with_replacement: bool = False,
+                  generator: torch.Generator | None = None):
         """Every row's first k children, chosen on the device: tokens [w, k], valid [w, k] (False
         where the row's support ran out) and Q [w, V] (None at temperature 0)."""
         k_eff = min(k, logits.shape[-1])
+        generator = generator or self.device_g
         if self.params.greedy:
             idx = torch.topk(logits, k_eff).indices
             valid, q, keys = torch.ones_like(idx, dtype=torch.bool), None, None
         else:
             q = logits_to_probs(logits, self.params)
             if with_replacement:  # SpecInfer's independent sequences
-                idx = torch.multinomial(q, k, replacement=True, generator=self.device_g)
+                idx = torch.multinomial(q, k, replacement=True, generator=generator)
                 return idx, torch.ones_like(idx, dtype=torch.bool), q
-            idx, keys = gumbel_top_k(q, k_eff, self.device_g)
+            idx, keys = gumbel_top_k(q, k_eff, generator)
             valid = torch.isfinite(keys)
         if k_eff < k:  # more children wanted than the vocabulary has
             pad = k - k_eff
@@ -539,22 +659,140 @@ class SpeculativeDecoder:
     def _grow_static(self, root: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Grow the static tree level by level from the root (every level, the leaves included,
         runs through the draft so that any accepted node has its K/V). Returns the tokens [n] and
-        Q [rows, V] for the nodes above the last level (None at temperature 0), all on the device."""
-        shape = self.shape
-        tokens = torch.full((shape.n,), -1, dtype=torch.long, device=self.device)
-        tokens[0] = root
-        q_rows: list[torch.Tensor] = []
-        for lo, hi, children in shape.levels:
+        Q [rows, V] for the nodes above the last level (None at temperature 0), all on the device.
+        When the last pass grew this step's tree ahead (its case came), growth goes on from there."""
+        shape, n = self.shape, self.shape.n
+        ready, self._ready = self._ready, None
+        start, dev = 0, self.device
+        job = None
+        if ready is not None:
+            ahead, k = ready
+            job = ahead.jobs[k]
+            if not (ahead.shape is shape and self.draft_cache.length == ahead.base + shape.host_depths[job.anchor] + 1):
+                job = None  # (its root is this step's: `_case_came`)
+        if job is not None:  # its first levels' K/V move to this tree's slots (the same positions)
+            lo = shape.levels[job.done][0] if job.done < len(shape.levels) else n
+            self.draft_cache.move(ahead.slot0 + k * n, self.draft_cache.length, lo)
+            self.draft_cache.advance(lo)
+            tokens, q_rows, start = job.tokens, list(job.q_rows), job.done
+            guesses = job.guesses
+            self._used_ahead = job.done
+        else:
+            tokens = torch.full((n,), -1, dtype=torch.long, device=dev)
+            tokens[0] = root
+            q_rows: list[torch.Tensor] = []
+            guesses = torch.zeros(n, AHEAD_GUESSES, dtype=torch.long, device=dev)
+        for lo, hi, children in shape.levels[start:]:
             logits = self._draft_forward(tokens[lo:hi], shape.depths[lo:hi], shape.mask[lo:hi, :hi], lo, hi)
+            q = (self._choose_children(logits, children, tokens, q_rows, lo, hi, self.device_g)
+                 if children is not None else None)
+            if self.overlap:
+                self._guess_level(logits, q, children, tokens, guesses, lo, hi)
             if children is None:
                 break
-            clo, chi, rows, ranks, k = children
-            idx, valid, q = self._children(logits, k, self.spec.kind == "specinfer" and lo == 0)
-            if q is not None:
-                q_rows.append(q)
-            ok = valid[rows, ranks] & (tokens[lo:hi][rows] >= 0)  # below a never-drawn node: never drawn
-            tokens[clo:chi] = torch.where(ok, idx[rows, ranks], torch.full_like(rows, -1))
+        self._tree_guesses = guesses if self.overlap else None
         return tokens, (torch.cat(q_rows) if q_rows else None)
+
+    @staticmethod
+    def _case_came(job: AheadJob, last: int, result: VerifyResult) -> bool:
+        """Whether the step ended as the job assumed: its path ends at the job's node and the
+        bonus token is the job's guess (the next tree's root, whose token its tree was drawn below)."""
+        return job.anchor == last and job.guess == result.bonus_token
+
+    def forget_ahead(self) -> None:
+        """Drop a tree grown ahead (the caller moved the caches back: its case cannot come)."""
+        self._ready = None
+
+    def _choose_children(self, logits: torch.Tensor, children, tokens: torch.Tensor, q_rows: list,
+                         lo: int, hi: int, generator: torch.Generator) -> torch.Tensor | None:
+        """A static level's children: drawn from its logits into tokens[clo:chi] (Q rows kept).
+        Returns Q (None at temperature 0)."""
+        clo, chi, rows, ranks, k = children
+        idx, valid, q = self._children(logits, k, self.spec.kind == "specinfer" and lo == 0, generator)
+        if q is not None:
+            q_rows.append(q)
+        ok = valid[rows, ranks] & (tokens[lo:hi][rows] >= 0)  # below a never-drawn node: never drawn
+        tokens[clo:chi] = torch.where(ok, idx[rows, ranks], torch.full_like(rows, -1))
+        return q
+
+    def _guess_level(self, logits: torch.Tensor, q: torch.Tensor | None, children, tokens: torch.Tensor,
+                     guesses: torch.Tensor, lo: int, hi: int) -> None:
+        """Per node of one level, the draft's most probable tokens outside its children: the
+        target's bonus token, by the draft's guesses, when the step ends at that node."""
+        scores = (q if q is not None else logits).clone()
+        if children is not None:
+            clo, chi, rows, _ranks, _k = children
+            scores[rows, tokens[clo:chi].clamp_min(0)] = -math.inf  # (a never-drawn child hides token 0)
+        guesses[lo:hi] = scores.topk(min(AHEAD_GUESSES, scores.shape[-1]), dim=-1).indices
+
+    # ---- the next trees, grown ahead during the target's pass --------------------------------
+
+    def _start_ahead(self, tokens: torch.Tensor) -> GrownAhead | None:
+        """This pass's jobs: the next trees for the AHEAD_JOBS most probable ends of this step
+        (`StaticShape.end_scores`), each placed where the next step would grow it."""
+        shape, cache = self.shape, self.draft_cache
+        if self._tree_guesses is None or len(shape.levels) < 2:
+            return None
+        n, slot0 = shape.n, cache.length  # (this step's tree fills the draft cache up to its length)
+        k = min(AHEAD_JOBS, n * AHEAD_GUESSES, (cache.capacity - slot0) // n)
+        if k < 1:
+            return None
+        guesses = self._tree_guesses
+        ends = shape.end_scores(self.spec.acceptance)
+        values, cases = torch.where(tokens[:, None] >= 0, ends, torch.full_like(ends, -1.0)).flatten().topk(k)
+        host = torch.stack([values.double(), (cases // AHEAD_GUESSES).double(),
+                            guesses.flatten()[cases].double()]).cpu().tolist()
+        jobs = []
+        for value, node, guess in zip(*host):
+            if value <= 0:
+                continue
+            t = torch.full((n,), -1, dtype=torch.long, device=self.device)
+            t[0] = int(guess)
+            jobs.append(AheadJob(int(node), int(guess), value, t, [],
+                                 torch.zeros(n, AHEAD_GUESSES, dtype=torch.long, device=self.device)))
+        if not jobs:
+            return None
+        if self._ahead_view is None or self._ahead_view.k is not cache.k:
+            self._ahead_view = cache.view()
+        self._ahead = GrownAhead(shape, slot0 - n, slot0, jobs)
+        return self._ahead
+
+    def _ahead_unit(self) -> bool:
+        """One batched level of the trees grown ahead (`LayerExecutor.idle`): the jobs that ran
+        every level before it, most probable first, as many as fit AHEAD_WIDTH nodes (at least
+        one). False when nothing is left."""
+        ahead = self._ahead
+        if ahead is None or ahead.levels >= len(ahead.shape.levels):
+            return False
+        started = time.perf_counter()
+        shape, n, dev = ahead.shape, ahead.shape.n, self.device
+        lo, hi, children = shape.levels[ahead.levels]
+        w = hi - lo
+        active = [(k, job) for k, job in enumerate(ahead.jobs) if job.done == ahead.levels][:max(1, AHEAD_WIDTH // w)]
+        if not active:
+            return False
+        width = ahead.slot0 + (active[-1][0] + 1) * n  # the slots the level may see
+        mask = torch.zeros(len(active) * w, width, dtype=torch.bool, device=dev)
+        mask[:, :ahead.base] = True
+        ids, pos, slots = [], [], []
+        for r, (k, job) in enumerate(active):
+            rows, off = slice(r * w, (r + 1) * w), ahead.slot0 + k * n
+            mask[rows, ahead.base:ahead.base + n] = shape.mask[job.anchor]  # the case's accepted path
+            mask[rows, off:off + hi] = shape.mask[lo:hi, :hi]
+            ids.append(job.tokens[lo:hi])
+            pos.append(shape.depths[lo:hi] + ahead.base + shape.host_depths[job.anchor] + 1)
+            slots.append(torch.arange(off + lo, off + hi, device=dev))
+        logits = self.draft.forward(torch.cat(ids).clamp_min(0), torch.cat(pos), self._ahead_view, mask=mask,
+                                    slots=torch.cat(slots))
+        for r, (k, job) in enumerate(active):
+            part = logits[r * w:(r + 1) * w]
+            q = (self._choose_children(part, children, job.tokens, job.q_rows, lo, hi, self.ahead_g)
+                 if children is not None else None)
+            self._guess_level(part, q, children, job.tokens, job.guesses, lo, hi)
+            job.done += 1
+        ahead.levels += 1
+        ahead.seconds += time.perf_counter() - started
+        return ahead.levels < len(shape.levels)
 
     def _grow_best_first(self, root: int) -> tuple[Tree, torch.Tensor | None]:
         """SpecExec: add the globally most probable candidates in batches, each batch one draft

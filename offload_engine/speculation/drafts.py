@@ -3,6 +3,11 @@
   * a checkpoint folder: any Llama-family model with the target's tokenizer, loaded resident;
   * "self-int8" / "self-int4": the target's own decoder layers quantised (see `quant.py`),
     resident, sharing the target's embeddings, final norm and head;
+  * "self-q8" / "self-q4": substitute self-drafts (SubSpec): the target's own weights for the
+    layers resident on the device, an int8 / int4 substitute only for each streamed layer, and
+    the target's KV cache shared with the draft (`SpeculativeDecoder` with `draft.shares_cache`):
+    no draft KV memory, no draft prefill, and the draft always attends to the target's exact
+    K/V of the committed text;
   * "default": the distilled draft of the embedded default target. Its decoder layers (their
     matrices as int8 with per-row scales) and final norm are committed under
     `benchmarks/drafts/smollm2-135m-instruct/` (with the command that made them); its embeddings are the target's, frozen during distillation, so the first use
@@ -29,6 +34,7 @@ from ..runtime.quant import (DEFAULT_GROUP_SIZE, QuantizedLinear, dequantize_int
                              quantize_int4, quantize_int8, quantized_bytes)
 
 SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
+SUBSTITUTE_DRAFTS = {"self-q8": "int8", "self-q4": "int4"}
 DEFAULT_DRAFT = INSTALL_ROOT / "benchmarks" / "drafts" / "smollm2-135m-instruct"
 LAYERS_FILE = "layers.safetensors"
 Q8_SUFFIX, SCALE_SUFFIX = ".int8", ".int8_scale"  # a committed int8 matrix and its per-row scales
@@ -40,11 +46,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def self_draft_scheme(draft: str | Path | None) -> str | None:
-    return SELF_DRAFTS.get(str(draft)) if draft is not None else None
+    """The quantisation of a self-draft name (full or substitute), None for any other draft."""
+    if draft is None:
+        return None
+    return SELF_DRAFTS.get(str(draft)) or SUBSTITUTE_DRAFTS.get(str(draft))
 
 
-def self_draft_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: str, group_size: int) -> int:
-    """Device bytes of a self-draft: every projection quantised, plus its own copy of the norms."""
+def is_substitute_draft(draft: str | Path | None) -> bool:
+    return draft is not None and str(draft) in SUBSTITUTE_DRAFTS
+
+
+def substitute_layer_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: str, group_size: int) -> int:
+    """Device bytes of one layer's quantised copy: every projection quantised, plus its own copy
+    of the norms (a substitute for one streamed layer; a full self-draft holds one per layer)."""
     elt = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, shape in layer_shapes(cfg).items():
@@ -52,7 +66,12 @@ def self_draft_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: str, group_si
             total += quantized_bytes(shape[0], shape[1], scheme, group_size)
         else:
             total += shape[0] * elt
-    return cfg.num_layers * total
+    return total
+
+
+def self_draft_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: str, group_size: int) -> int:
+    """Device bytes of a full self-draft: a quantised copy of every layer."""
+    return cfg.num_layers * substitute_layer_bytes(cfg, dtype, scheme, group_size)
 
 
 def check_group_size(cfg: ModelConfig, group_size: int) -> None:
@@ -66,12 +85,18 @@ def check_group_size(cfg: ModelConfig, group_size: int) -> None:
 
 
 def build_self_draft(ckpt, target: Transformer, scheme: str, group_size: int = DEFAULT_GROUP_SIZE,
-                     backend: str = "auto") -> Transformer:
+                     backend: str = "auto", resident: dict | None = None) -> Transformer:
     """Quantise the target's layers one at a time, from the checkpoint's own precision (a `Checkpoint`,
-    or a `GGUFCheckpoint`, whose weights come dequantized)."""
+    or a `GGUFCheckpoint`, whose weights come dequantized). With `resident` (a substitute draft:
+    layer index -> the target's own resident weights), those layers are the target's, as they are;
+    only the others are quantised, and the draft is marked to share the target's KV cache."""
     cfg = ckpt.config
+    substitute, resident = resident is not None, resident or {}
     layers = []
     for i in range(cfg.num_layers):
+        if i in resident:
+            layers.append(resident[i])
+            continue
         full = ckpt.load_layer(i, torch.float32, "cpu")
         layer = {}
         for name, w in full.items():
@@ -83,7 +108,9 @@ def build_self_draft(ckpt, target: Transformer, scheme: str, group_size: int = D
     shared = {EMBED: target.embed, "model.norm.weight": target.norm}
     if not cfg.tie_word_embeddings:
         shared["lm_head.weight"] = target.lm_head
-    return Transformer(cfg, shared, layers, target.dtype, target.device)
+    draft = Transformer(cfg, shared, layers, target.dtype, target.device)
+    draft.shares_cache = substitute  # the decoder gives it the target's KV cache
+    return draft
 
 
 # ---- the embedded default pair's distilled draft ------------------------------------------------

@@ -1,0 +1,181 @@
+"""Substitute self-drafts (`--draft self-q8` / `self-q4`, SubSpec) and the next tree grown while the
+target streams (ShadowSpec): the draft runs the target's own resident layers and a quantised
+copy of each streamed one, on the target's KV cache; the plan counts the substitutes; greedy
+output is plain greedy for every tree kind, with and without the trees grown ahead; after every
+step the shared cache holds exactly the target's K/V of the committed text; and a tree grown
+ahead is the tree the next step would have grown. (The sampled distribution with a shared cache
+and trees grown ahead: tests/test_speculative_distribution.py.)"""
+
+import time
+
+import pytest
+import torch
+
+from offload_engine import Engine
+from offload_engine.engine import plan_only
+from offload_engine.formats.config import load_config
+from offload_engine.runtime import streamer
+from offload_engine.runtime.quant import QuantizedLinear
+from offload_engine.speculation.decoder import SpeculativeDecoder
+from offload_engine.speculation.drafts import substitute_layer_bytes
+from sequoia_trees.sampling import SamplingParams
+from tiny_models import greedy_past_eos, make_tiny_checkpoint
+
+PROMPT = "The capital of France is"
+LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("subdraft") / "t", "llama3-gqa", layers=LAYERS, seed=3,
+                                init_std=0.05)
+
+
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """Every layer fill takes 10 ms more, so that a pass waits for its layers (a tiny model's
+    layers otherwise arrive before they are wanted, and nothing is grown ahead)."""
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):
+        time.sleep(0.01)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+
+
+def _budget_for(target, resident: int) -> int:
+    """A --vram budget with room for `resident` dense layers and a substitute for each other one."""
+    cfg = load_config(target)
+    sub = substitute_layer_bytes(cfg, torch.float32, "int4", 32)
+    whole, *_ = plan_only(target, device="cpu", draft="self-q4", draft_group_size=32, offload="auto", vram=1 << 40)
+    assert whole.resident_layers == tuple(range(LAYERS))  # everything fits: no substitute at all
+    assert not any("substitutes" in k for k in whole.fixed_bytes)
+    streamed, *_ = plan_only(target, device="cpu", draft="self-q4", draft_group_size=32, offload="disk",
+                             vram=1 << 40, buffers=1)
+    rest = sum(streamed.fixed_bytes.values()) - LAYERS * sub  # buffers, caches, embeddings...
+    return rest + resident * streamed.dense_layer_bytes + (LAYERS - resident) * sub + 1024
+
+
+def test_the_plan_counts_a_substitute_per_streamed_layer_and_no_draft_cache(target):
+    cfg = load_config(target)
+    sub = substitute_layer_bytes(cfg, torch.float32, "int4", 32)
+    for resident in (0, 3, 5):
+        plan, *_ = plan_only(target, device="cpu", draft="self-q4", draft_group_size=32, offload="auto",
+                             vram=_budget_for(target, resident), buffers=1)
+        streamed = LAYERS - len(plan.resident_layers)
+        assert plan.fixed_bytes[f"draft substitutes ({streamed} streamed layers)"] == streamed * sub
+        assert not any("draft kv" in k or k == "draft" for k in plan.fixed_bytes), plan.fixed_bytes
+        assert plan.vram_bytes <= plan.vram_budget_bytes
+        # each resident layer pays its bytes and saves its substitute: one more would not fit
+        assert len(plan.resident_layers) == resident
+    full, *_ = plan_only(target, device="cpu", draft="self-int4", draft_group_size=32, offload="disk")
+    assert full.fixed_bytes["draft"] == LAYERS * sub and "draft kv cache" in full.fixed_bytes
+
+
+def test_the_substitute_draft_runs_the_targets_resident_layers(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = Engine.load(target, draft="self-q4", draft_group_size=32, offload="auto",
+                         vram=_budget_for(target, 3), buffers=1, tree="sequoia", tree_budget=8, tree_depth=3,
+                         progress=False)
+    try:
+        resident = engine.plan.resident_layers
+        assert 0 < len(resident) < LAYERS
+        for i, layer in enumerate(engine.draft.layers):
+            if i in resident:
+                assert layer is engine.model.layers.resident[i]  # the same tensors, not a copy
+            else:
+                assert all(isinstance(w, QuantizedLinear) for n, w in layer.items() if n.endswith("proj.weight"))
+        assert engine.draft.shares_cache and not engine.model.shares_cache
+        assert engine.overlap  # on by default for the substitute drafts
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind,budget,depth", [("sequoia", 24, 6), ("specexec", 16, 5), ("chain", 1, 5)])
+@pytest.mark.parametrize("draft", ["self-q8", "self-q4"])
+def test_greedy_with_a_substitute_draft_equals_plain_greedy(target, tmp_path, monkeypatch, slow_disk, draft, kind,
+                                                            budget, depth):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    want = greedy_past_eos(target, PROMPT, 40)[0].token_ids
+    for overlap in ("on", "off"):
+        result, _ = greedy_past_eos(target, PROMPT, 40, tree=kind, draft=draft, draft_group_size=32, offload="disk",
+                                    buffers=2, tree_budget=budget, tree_depth=depth, overlap=overlap)
+        assert result.token_ids == want, (overlap, kind)
+        assert result.stats["tokens_per_step"] > 1.5
+        stats = result.stats["overlap"]
+        if overlap == "on" and kind != "specexec":  # (best-first trees are not grown ahead)
+            # trees grown during the pass, some of them the next step's (measured: 2-7 of 7-10 steps)
+            assert stats["hits"] >= 1 and stats["levels_used"] >= 1, stats
+            assert result.stats["step_split"]["draft_overlapped"] > 0
+        else:
+            assert stats is None or stats["hits"] == stats["misses"] == 0
+
+
+def _committed_kv_matches_target(engine, dec, seq):
+    fresh = engine.model.new_cache(len(seq))
+    engine.model.forward(torch.tensor(seq), torch.arange(len(seq)), fresh)
+    n = len(seq)
+    # (float32 sums in another order: noise ~1e-5; the substitute's K/V differ from the target's by O(0.1))
+    torch.testing.assert_close(dec.target_cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(dec.target_cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_shared_cache_holds_the_targets_kv_after_every_step(target, tmp_path, monkeypatch, temperature):
+    """The draft writes its tree's K/V into the target's cache; the target's pass writes its own
+    over the same slots and only the accepted path is committed: after each step the committed
+    slots are exactly what a target-only prefill of the committed text gives."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = Engine.load(target, draft="self-q4", draft_group_size=32, offload="disk", tree="sequoia",
+                         tree_budget=16, tree_depth=5, progress=False)
+    try:
+        ids = engine.tokenizer.encode(PROMPT)
+        dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(temperature),
+                                 torch.Generator().manual_seed(0), 256, overlap="eager")
+        assert dec.draft_cache.k is dec.target_cache.k and len(dec.seqs) == 1  # one cache, two lengths
+        root = dec.first_token(dec.prefill(ids, 1024))
+        seq, accepted = list(ids), 0
+        for _ in range(10):
+            step = dec.step(root)
+            seq += [root] + step.tokens[:-1]
+            root = step.tokens[-1]
+            accepted += len(step.verify.accepted)
+            assert dec.target_cache.length == len(seq) == len(dec.seqs[0].tokens)
+            _committed_kv_matches_target(engine, dec, seq)
+        assert accepted >= 10  # the tree's nodes were committed, not only bonus tokens
+        assert dec.ahead_hits + dec.ahead_misses == 10  # every step grew the next trees ahead
+        if temperature == 0:  # (at 0.8 this tiny model's flat distributions rarely give the guessed bonus)
+            assert dec.ahead_hits >= 1  # and some steps started from one
+    finally:
+        engine.close()
+
+
+def test_a_tree_grown_ahead_is_the_tree_the_next_step_would_grow(target, tmp_path, monkeypatch):
+    """Greedy, a draft with its own cache (so that growing ahead sees the K/V a fresh growth
+    would): whenever a step starts from a tree grown ahead, that tree's tokens equal the ones a
+    decoder without overlap grows at the same step, node for node."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = Engine.load(target, draft="self-int8", offload="none", tree="sequoia",
+                         tree_budget=16, tree_depth=5, progress=False)
+    try:
+        ids = engine.tokenizer.encode(PROMPT)
+        trees = {}
+        for overlap in ("eager", False):
+            dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(0.0),
+                                     torch.Generator().manual_seed(0), 256, overlap=overlap)
+            grown = []
+            verify = dec._verify
+            dec._verify = lambda parents, tokens, *a, **k: (grown.append(tokens.tolist()),
+                                                            verify(parents, tokens, *a, **k))[1]
+            root = dec.first_token(dec.prefill(ids, 1024))
+            used = []
+            for _ in range(12):
+                root = dec.step(root).tokens[-1]
+                used.append(dec.last_times.ahead_levels)  # levels of this step's tree grown ahead
+            trees[overlap] = list(zip(grown, used))
+        ahead = [i for i, (_, used) in enumerate(trees["eager"]) if used]
+        assert len(ahead) >= 3, trees["eager"]
+        for i in ahead:
+            assert trees["eager"][i][0] == trees[False][i][0], i
+    finally:
+        engine.close()
