@@ -121,3 +121,27 @@ def test_gguf_precisions_use_their_real_bits_and_pay_their_dequantization():
                            draft_precision="q8_0")
     assert b.plan.fixed_bytes["draft"] < 0.7 * a.plan.fixed_bytes["draft"]  # its embeddings stay fp16
     assert b.timings.draft_seconds[0] > a.timings.draft_seconds[0]
+
+
+def test_substitute_self_drafts_count_a_copy_per_streamed_layer_and_say_when_they_do_not_fit():
+    """--draft self-q4: no draft model, an int4 copy of each streamed layer on the device, the
+    resident layers chosen with both counted; on a 24 GB card a 70B's substitutes alone do not
+    fit, and the error names them."""
+    sim = simulator.simulate("l40", 192 * 2**30, "llama-3.1-70b", "self-q4")
+    plan, cfg = sim.plan, load_model_shape("llama-3.1-70b")[1]
+    streamed = cfg.num_layers - len(plan.resident_layers)
+    sub = simulator.layer_bytes(cfg, "int4")
+    assert plan.fixed_bytes[f"draft substitutes ({streamed} streamed layers)"] == streamed * sub
+    assert "draft" not in plan.fixed_bytes and plan.vram_bytes <= plan.vram_budget_bytes
+    # one more resident layer would not fit: it costs its fp16 bytes and saves only its substitute
+    assert plan.vram_bytes + simulator.layer_bytes(cfg, "fp16") - sub > plan.vram_budget_bytes
+    # a level: resident layers at fp16, the others at the substitute's bytes (memory-bound at w=1)
+    gpu, a = load_gpu_spec("l40"), simulator.Assumptions()
+    fp16_all = simulator.draft_level_s(cfg, "fp16", 1, gpu, a)
+    assert sim.timings.draft_seconds[0] < 0.5 * fp16_all
+    with pytest.raises(UserError, match=r"draft substitutes \(every layer\) 63\.76 GiB"):  # int8: 48 GB is short
+        simulator.simulate("l40", 192 * 2**30, "llama-3.1-70b", "self-q8")
+    q4, q8 = (simulator.simulate("h100-pcie", 192 * 2**30, "llama-3.1-70b", d) for d in ("self-q4", "self-q8"))
+    assert len(q4.plan.resident_layers) > len(q8.plan.resident_layers)  # smaller copies leave more room
+    with pytest.raises(UserError, match=r"draft substitutes \(every layer\) 35\.86 GiB"):
+        simulator.simulate("rtx4090", 192 * 2**30, "llama-3.1-70b", "self-q4")

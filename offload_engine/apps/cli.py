@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--ram", default="64GiB", help="host RAM (default 64GiB; 8 GiB of it kept for the OS)")
     sim.add_argument("--vram", default=None, help="device budget (default: the GPU's memory minus 1 GiB)")
     sim.add_argument("--model", default="llama-2-70b", help="target shape preset (default llama-2-70b)")
-    sim.add_argument("--draft", default="llama-2-7b", help="draft shape preset, or 'none' (default llama-2-7b)")
+    sim.add_argument("--draft", default="llama-2-7b", help="draft shape preset, 'self-q4' / 'self-q8' (substitute "
+                                                   "self-drafts), or 'none' (default llama-2-7b)")
     sim.add_argument("--precision", default="fp16", choices=("fp16", "int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0",
                                                               "q5_1", "q4_k", "q5_k", "q6_k"),
                      help="the target's weights as streamed (default fp16); q* are the GGUF block formats "

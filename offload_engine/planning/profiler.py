@@ -300,7 +300,8 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float):
     for greedy in (True, False):
         decs[greedy] = SpeculativeDecoder(engine.model, engine.draft, TreeSpec(),
                                           SamplingParams(0.0 if greedy else 0.6, 1.0), g, capacity,
-                                          max_nodes=max([n for n, _ in fits] + [1]), timed=True)
+                                          max_nodes=max([n for n, _ in fits] + [1]), timed=True,
+                                          overlap=engine.overlap)  # (passes as the engine runs them)
         decs[greedy].prefill(ids, engine.max_batch_tokens)
         roots[greedy] = ids[-1]
     device = engine.model.device

@@ -13,6 +13,10 @@ The model of a target pass over n tokens, layer by layer (REFERENCES.md 3):
     max(its copy, its compute): copy = bytes / host-to-device bandwidth from pinned RAM, or
     bytes / min(NVMe read, host-to-device) from disk;
   * plus the head over n rows. A draft level of w nodes is a resident pass of the draft over w.
+`--draft self-q4` / `self-q8` (substitute self-drafts): the draft is the target's own resident
+layers and an int4 / int8 copy of each streamed one, on the target's KV cache; the plan counts a
+substitute per streamed layer (and says so when even the substitutes do not fit), and a draft
+level runs the resident layers at their cost and the substitutes at theirs.
 `--precision int8|int4` streams (and keeps resident) the target's layers at that size (int4:
 groups of 64, scales and minima in fp16): only the bytes change; compute stays fp16.
 `--precision q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k` are the GGUF block formats the runtime
@@ -120,6 +124,23 @@ def target_pass_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, n: int,
     return t + _head_s(cfg, n, gpu, a)
 
 
+SUBSTITUTES = {"self-q4": "int4", "self-q8": "int8"}
+
+
+def substitute_level_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, scheme: str, w: int, gpu: GpuSpec,
+                       a: Assumptions) -> float:
+    """A substitute self-draft's level over w nodes: the resident layers as the target runs them,
+    each streamed layer's quantised copy at its bytes."""
+    params = layer_params(cfg)
+    if precision in GGUF_FORMATS:
+        resident = _compute_s(params, 2 * params, w, gpu, a) + dequant_s(cfg, precision, gpu) + a.layer_overhead_s
+    else:
+        resident = _compute_s(params, layer_bytes(cfg, precision), w, gpu, a) + a.layer_overhead_s
+    sub = _compute_s(params, layer_bytes(cfg, scheme), w, gpu, a) + a.layer_overhead_s
+    n_res = len(plan.resident_layers)
+    return n_res * resident + (cfg.num_layers - n_res) * sub + _head_s(cfg, w, gpu, a)
+
+
 def draft_level_s(cfg: ModelConfig, precision: str, w: int, gpu: GpuSpec, a: Assumptions) -> float:
     """A resident draft's level over w nodes; a draft kept in GGUF blocks dequantizes each layer
     per use (runtime/blocks.PackedWeight)."""
@@ -217,11 +238,13 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str 
     a = assumptions
     spec = gpu if isinstance(gpu, GpuSpec) else load_gpu_spec(gpu)
     cfg = model if isinstance(model, ModelConfig) else load_model_shape(model)[1]  # a preset, or a config
-    draft_cfg = draft if isinstance(draft, ModelConfig) else load_model_shape(draft)[1] if draft else None
+    scheme = SUBSTITUTES.get(draft) if isinstance(draft, str) else None
+    draft_cfg = (draft if isinstance(draft, ModelConfig) else cfg if scheme else
+                 load_model_shape(draft)[1] if draft else None)
     if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
         raise UserError(f"--draft {draft}: vocabulary of {draft_cfg.vocab_size} tokens, the target's has "
                         f"{cfg.vocab_size}: a draft must share the target's tokenizer")
-    draft_b = model_bytes(draft_cfg, draft_precision) if draft_cfg is not None else 0
+    draft_b = model_bytes(draft_cfg, draft_precision) if draft_cfg is not None and not scheme else 0
     if draft_cfg is not None and draft_precision in GGUF_FORMATS:  # its per-use dense matrix
         draft_b += largest_matrix_bytes(draft_cfg, torch.float16)
     vram_b = vram if vram is not None else spec.vram_bytes - DEVICE_MARGIN_BYTES
@@ -229,7 +252,8 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str 
                      ram_bytes=max(0, ram - a.host_reserve_bytes), buffers=2, max_context=a.max_context,
                      max_batch_tokens=max(TARGET_WIDTHS), draft_bytes=draft_b,
                      layer_bytes=layer_bytes(cfg, precision),
-                     scratch_bytes=2 * layer_params(cfg) if precision in GGUF_FORMATS else 0)
+                     scratch_bytes=2 * layer_params(cfg) if precision in GGUF_FORMATS else 0,
+                     substitute_bytes=layer_bytes(cfg, scheme) if scheme else 0)
     t_target = tuple(target_pass_s(cfg, plan, precision, n, spec, a) for n in TARGET_WIDTHS)
     vector, source = read_acceptance(acceptance)
     if draft_cfg is None:  # plain offloaded decoding only
@@ -239,7 +263,8 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str 
         vector, source = AcceptanceVector((0.0,)), "none (no draft)"
         choice = choose(vector, timings)
     else:
-        t_draft = tuple(draft_level_s(draft_cfg, draft_precision, w, spec, a) for w in DRAFT_WIDTHS)
+        t_draft = tuple(substitute_level_s(cfg, plan, precision, scheme, w, spec, a) if scheme
+                        else draft_level_s(draft_cfg, draft_precision, w, spec, a) for w in DRAFT_WIDTHS)
         timings = Timings(TARGET_WIDTHS, t_target, DRAFT_WIDTHS, t_draft, a.step_overhead_s)
         choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
     setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": _label(model), "draft": _label(draft),

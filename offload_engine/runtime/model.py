@@ -180,6 +180,18 @@ class Transformer:
         the cache's first T slots, T fixed per graph): a pass whose shapes and pointers never
         change, as a CUDA graph needs (runtime/draft_graphs.py).
         """
+        steps = self.forward_steps(input_ids, positions, cache, mask, logits_rows, slots)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def forward_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      mask: torch.Tensor | None = None, logits_rows: slice | None = None,
+                      slots: torch.Tensor | None = None):
+        """`forward` as a generator that yields after each layer and returns the logits: work
+        that can be done a layer at a time in another pass's waits (a draft growing ahead)."""
         S = input_ids.shape[0]
         if mask is None:
             mask = causal_mask(cache.length, S, self.device)
@@ -188,8 +200,11 @@ class Transformer:
         for i, w in enumerate(self.layers):
             if self.interrupt is not None and self.interrupt.is_set():
                 raise GenerationCancelled("generation cancelled")
-            x = decoder_layer(w, x, rope, cache, i, mask, self.cfg, self.attention, slots)
+            with torch.inference_mode():
+                x = decoder_layer(w, x, rope, cache, i, mask, self.cfg, self.attention, slots)
+            yield
         if logits_rows is not None:
             x = x[:, logits_rows]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head)[0].float()  # [S', V]
+        with torch.inference_mode():
+            x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            return F.linear(x, self.lm_head)[0].float()  # [S', V]

@@ -377,6 +377,7 @@ class SpeculativeDecoder:
         self._ready: tuple[GrownAhead, int] | None = None  # (grown, job) for the step that starts now
         self._tree_guesses = None  # per node of the step's tree, the bonus guess (where ahead jobs start)
         self._ahead_view: KVCache | None = None  # the draft cache, as the ahead levels write it
+        self._ahead_work = None  # the generator growing them (`_grow_ahead`)
         self.ahead_hits = self.ahead_misses = 0
         # a substitute self-draft shares the target's cache: one sequence, the draft writing its
         # tree's K/V after the committed length through a view (the target's pass then writes
@@ -536,7 +537,7 @@ class SpeculativeDecoder:
         finally:
             if ahead is not None and not self.ahead_eager:
                 layers.idle = None
-            self._ahead = None
+            self._ahead = self._ahead_work = None
         t2 = time.perf_counter()
         if ahead is not None and ahead.levels:
             last = result.accepted[-1] if result.accepted else 0
@@ -758,41 +759,54 @@ class SpeculativeDecoder:
         return self._ahead
 
     def _ahead_unit(self) -> bool:
-        """One batched level of the trees grown ahead (`LayerExecutor.idle`): the jobs that ran
-        every level before it, most probable first, as many as fit AHEAD_WIDTH nodes (at least
-        one). False when nothing is left."""
+        """One draft layer of the trees grown ahead (`LayerExecutor.idle`: a layer at a time, so
+        that the work fits the pass's waits); False when nothing is left."""
         ahead = self._ahead
-        if ahead is None or ahead.levels >= len(ahead.shape.levels):
+        if ahead is None:
             return False
+        if self._ahead_work is None:
+            self._ahead_work = self._grow_ahead(ahead)
         started = time.perf_counter()
-        shape, n, dev = ahead.shape, ahead.shape.n, self.device
-        lo, hi, children = shape.levels[ahead.levels]
-        w = hi - lo
-        active = [(k, job) for k, job in enumerate(ahead.jobs) if job.done == ahead.levels][:max(1, AHEAD_WIDTH // w)]
-        if not active:
-            return False
-        width = ahead.slot0 + (active[-1][0] + 1) * n  # the slots the level may see
-        mask = torch.zeros(len(active) * w, width, dtype=torch.bool, device=dev)
-        mask[:, :ahead.base] = True
-        ids, pos, slots = [], [], []
-        for r, (k, job) in enumerate(active):
-            rows, off = slice(r * w, (r + 1) * w), ahead.slot0 + k * n
-            mask[rows, ahead.base:ahead.base + n] = shape.mask[job.anchor]  # the case's accepted path
-            mask[rows, off:off + hi] = shape.mask[lo:hi, :hi]
-            ids.append(job.tokens[lo:hi])
-            pos.append(shape.depths[lo:hi] + ahead.base + shape.host_depths[job.anchor] + 1)
-            slots.append(torch.arange(off + lo, off + hi, device=dev))
-        logits = self.draft.forward(torch.cat(ids).clamp_min(0), torch.cat(pos), self._ahead_view, mask=mask,
-                                    slots=torch.cat(slots))
-        for r, (k, job) in enumerate(active):
-            part = logits[r * w:(r + 1) * w]
-            q = (self._choose_children(part, children, job.tokens, job.q_rows, lo, hi, self.ahead_g)
-                 if children is not None else None)
-            self._guess_level(part, q, children, job.tokens, job.guesses, lo, hi)
-            job.done += 1
-        ahead.levels += 1
+        try:
+            next(self._ahead_work)
+            more = True
+        except StopIteration:
+            more = False
         ahead.seconds += time.perf_counter() - started
-        return ahead.levels < len(shape.levels)
+        return more
+
+    def _grow_ahead(self, ahead: GrownAhead):
+        """The trees grown ahead, level by level (each a batched draft pass over the jobs that ran
+        every level before it, most probable first, as many as fit AHEAD_WIDTH nodes, at least
+        one), yielding after each draft layer."""
+        shape, n, dev = ahead.shape, ahead.shape.n, self.device
+        while ahead.levels < len(shape.levels):
+            lo, hi, children = shape.levels[ahead.levels]
+            w = hi - lo
+            active = [(k, job) for k, job in enumerate(ahead.jobs)
+                      if job.done == ahead.levels][:max(1, AHEAD_WIDTH // w)]
+            if not active:
+                return
+            width = ahead.slot0 + (active[-1][0] + 1) * n  # the slots the level may see
+            mask = torch.zeros(len(active) * w, width, dtype=torch.bool, device=dev)
+            mask[:, :ahead.base] = True
+            ids, pos, slots = [], [], []
+            for r, (k, job) in enumerate(active):
+                rows, off = slice(r * w, (r + 1) * w), ahead.slot0 + k * n
+                mask[rows, ahead.base:ahead.base + n] = shape.mask[job.anchor]  # the case's accepted path
+                mask[rows, off:off + hi] = shape.mask[lo:hi, :hi]
+                ids.append(job.tokens[lo:hi])
+                pos.append(shape.depths[lo:hi] + ahead.base + shape.host_depths[job.anchor] + 1)
+                slots.append(torch.arange(off + lo, off + hi, device=dev))
+            logits = yield from self.draft.forward_steps(torch.cat(ids).clamp_min(0), torch.cat(pos),
+                                                         self._ahead_view, mask=mask, slots=torch.cat(slots))
+            for r, (k, job) in enumerate(active):
+                part = logits[r * w:(r + 1) * w]
+                q = (self._choose_children(part, children, job.tokens, job.q_rows, lo, hi, self.ahead_g)
+                     if children is not None else None)
+                self._guess_level(part, q, children, job.tokens, job.guesses, lo, hi)
+                job.done += 1
+            ahead.levels += 1
 
     def _grow_best_first(self, root: int) -> tuple[Tree, torch.Tensor | None]:
         """SpecExec: add the globally most probable candidates in batches, each batch one draft
