@@ -10,7 +10,8 @@
 #   quant   the same 6 layers streamed as q4_0 blocks (dequantized by the fused kernels on the
 #           copy stream) against bf16, in one run: bytes, pass time, stall and dequant time
 #   step    the step benchmark (benchmarks/gpu_step.py): target pass, draft levels, the rest of the
-#           step, for trees (16,6) .. (512,20), greedy and T=0.6, a profiled step, the issue-17 bar
+#           step, for trees (16,6) .. (512,20), greedy and T=0.6, a profiled step, the issue-17 bar,
+#           and issue 23's: the (128,12) step with the next tree grown during the pass
 # Run some stages alone with STAGES="tests step" scripts/gpu_check.sh. Results go to $OUT
 # (default ./gpu_check_out); the folders to $WORK (default /tmp/sequoia_gpu_check, about 30 GB).
 # Python: the machine's python3 when it has CUDA torch (the repo on PYTHONPATH, nothing installed);
@@ -102,7 +103,7 @@ step "summary"
     want h2d && echo "bandwidth: $(tail -1 "$OUT/h2d.txt" 2>/dev/null)"
     if want stream; then echo "stream benchmark (exit $stream_rc):"; grep '^|' "$OUT/stream_ram_cuda.txt" 2>/dev/null; fi
     if want quant; then echo "quantized streaming (exit $quant_rc; issue-18 bar: q4_0 pass <= 0.33x bf16):"; grep '^|' "$OUT/stream_quant_cuda.txt" 2>/dev/null; fi
-    if want step; then echo "step benchmark (exit $step_rc):"; sed -n '/issue-17 bar/,$p' "$OUT/gpu_step.txt" 2>/dev/null; fi
+    if want step; then echo "step benchmark (exit $step_rc):"; sed -n '/issue-17 and issue-23 bars/,$p' "$OUT/gpu_step.txt" 2>/dev/null; fi
     echo "total: $(( $(date +%s) - start )) s"
 } | tee "$OUT/summary.txt"
 [ "$tests_rc" -eq 0 ] && [ "$stream_rc" -eq 0 ] && [ "$quant_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]

@@ -13,13 +13,14 @@ def test_the_step_benchmark_runs_and_reports_every_part(tmp_path, capsys):
     rows = data["rows"]
     trees = {(r["budget"], r["depth"]) for r in rows}
     assert trees == set(gpu_step.SMOKE["trees"]) and {r["vocab"] for r in rows} == set(gpu_step.SMOKE["vocabs"])
-    assert {r["variant"] for r in rows} == {"default", "graphs off", "matmul attention"}
+    assert {r["variant"] for r in rows} == {"default", "graphs off", "matmul attention", "overlap"}
+    assert all(r["overlap"] == (r["variant"] == "overlap") for r in rows)
     for r in rows:
         assert r["step_s"] > 0 and r["pass_s"] > 0 and r["draft_s"] > 0 and 0 < r["level_s"] < r["draft_s"]
         assert abs(r["rest_s"] - (r["step_s"] - r["pass_s"] - r["draft_s"])) < 1e-9
         assert r["level_width"] <= 64
     assert any(r["attention"] == "matmul" for r in rows)
-    assert len(data["bar"]) == 4 * len(gpu_step.SMOKE["vocabs"])
+    assert len(data["bar"]) == 6 * len(gpu_step.SMOKE["vocabs"])  # issue 17's four and issue 23's two
     text = capsys.readouterr().out
-    assert "issue-17 bar" in text and "by cpu_time_total" in text
+    assert "issue-17 and issue-23 bars" in text and "by cpu_time_total" in text
     assert (tmp_path / "work" / "profile_step_v320.txt").exists()

@@ -31,7 +31,7 @@ draft's Sequoia tree; their control verifies the suffix nodes as if the draft ha
 A draft sharing the target's KV cache whose next trees are grown ahead (a substitute
 self-draft with overlap, `test_four_tokens_with_a_shared_cache_and_trees_grown_ahead_...`): four
 tokens, the first two's joint and the later two's, whose steps start from trees grown ahead; its
-control uses a tree grown ahead when the step ended at its node with another bonus token.
+control breaks the verifier as for sequoia.
 Power, written down: a bias of Cohen's effect size w = sqrt(sum (p_bad - p)^2 / p) gives the
 chi-square statistic a noncentrality lambda = N w^2. Each control's w was measured on this fixture
 with 4,000 samples (CONTROL_BIAS), and each kind's sample size N (SAMPLES) is chosen so that the
@@ -416,14 +416,17 @@ def test_suffix_sample_sizes_give_the_power_written_down():
 # ahead serves the step after a step that accepted a path, so the test reads four tokens: the
 # first two's joint (as above) and the third and fourth's joint, whose steps often started from
 # a tree grown ahead, each against the target's exact distribution by enumeration. Its control
-# is the bug of a decoder that uses a tree grown ahead when the step ended at the tree's node but
-# with another bonus token. Its effect size on the first two's joint, measured on this
-# configuration with 2,000 samples: w = 0.50, where a correct run measured 0.175 (the noise of
-# 2,000 samples, sqrt(60 / 2000) = 0.17), so a bias of sqrt(0.50^2 - 0.175^2) = 0.47; written
-# down as 0.45. (On the later joint: 0.34 against 0.19.) The same run: 36% of correct samples
-# had a later step start from a tree grown ahead.
+# breaks the verifier as for sequoia. Its effect size on the first two's joint, measured on this
+# configuration with 2,000 samples: w = 0.49, where a correct run measured 0.19 (the noise of
+# 2,000 samples, about sqrt(60 / 2000) = 0.17), so a bias of sqrt(0.49^2 - 0.19^2) = 0.45. (A
+# control more specific to trees grown ahead was tried and dropped: a decoder that uses a tree
+# grown ahead whatever the bonus token, so that the tree's root is the wrong token, biases this
+# fixture's later tokens too weakly to be found reliably with these sample sizes; this 1-layer,
+# 8-token model's next token depends little on one token of context. The greedy test that a tree
+# grown ahead equals a fresh one, tests/test_substitute_draft.py, covers what the trees hold.)
+# The same run: 36% of correct samples had a later step start from a tree grown ahead.
 SHARED_CONTROL_BIAS = ("joint", 0.45)
-SHARED_SAMPLES = 700
+SHARED_SAMPLES = 600
 
 
 def sample_four_tokens_shared(target, draft, spec, n, seed, overlap="eager"):
@@ -459,17 +462,8 @@ def exact_later_joint(target, ids):
     return sum(first[a * V + b] * exact_joint(target, ids + [a, b]) for a in range(V) for b in range(V))
 
 
-_case_came = SpeculativeDecoder._case_came
-
-
-def _anchor_only(job, last, result):
-    return job.anchor == last
-
-
 def _shared_worker(paths, n: int, seed: int, broken: bool):
-    # the bug: a tree grown ahead used when the step ended at its node, whatever the bonus token
-    # (so the tree's root is the guess, not the token the target chose)
-    SpeculativeDecoder._case_came = staticmethod(_anchor_only if broken else _case_came)
+    decoder.verify_stochastic = CONTROLS["sequoia"] if broken else verify_stochastic  # (see _worker)
     decoder.AHEAD_JOBS, decoder.AHEAD_GUESSES, decoder.AHEAD_WIDTH = 16, 4, 64  # the likeliest cases, whole
     return sample_four_tokens_shared(load(paths[0]), load(paths[1]), SPECS["sequoia"], n, seed)
 
@@ -496,7 +490,7 @@ def test_four_tokens_with_a_shared_cache_and_trees_grown_ahead_have_the_target_d
     assert min(p.values()) > ALPHA / 2, p
 
 
-def test_a_tree_grown_ahead_used_for_another_bonus_fails_the_shared_cache_test(models, paths, pool):
+def test_a_broken_verifier_fails_the_shared_cache_test(models, paths, pool):
     target, _ = models
     first, later, _ = _shared_in_parallel(pool, paths, SHARED_SAMPLES, seed=31, broken=True)
     p = _shared_p_values(target, first, later)

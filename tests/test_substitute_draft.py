@@ -91,12 +91,17 @@ def test_the_substitute_draft_runs_the_targets_resident_layers(target, tmp_path,
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def plain(target):
+    return greedy_past_eos(target, PROMPT, 40)[0].token_ids
+
+
 @pytest.mark.parametrize("kind,budget,depth", [("sequoia", 24, 6), ("specexec", 16, 5), ("chain", 1, 5)])
 @pytest.mark.parametrize("draft", ["self-q8", "self-q4"])
-def test_greedy_with_a_substitute_draft_equals_plain_greedy(target, tmp_path, monkeypatch, slow_disk, draft, kind,
-                                                            budget, depth):
+def test_greedy_with_a_substitute_draft_equals_plain_greedy(target, plain, tmp_path, monkeypatch, slow_disk, draft,
+                                                            kind, budget, depth):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    want = greedy_past_eos(target, PROMPT, 40)[0].token_ids
+    want = plain
     for overlap in ("on", "off"):
         result, _ = greedy_past_eos(target, PROMPT, 40, tree=kind, draft=draft, draft_group_size=32, offload="disk",
                                     buffers=2, tree_budget=budget, tree_depth=depth, overlap=overlap)
