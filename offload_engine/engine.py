@@ -360,7 +360,9 @@ class Engine:
                      draft_model, spec if draft_model is not None else TreeSpec(), cache_slots)
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
         engine.adapt = adapt
-        engine.overlap = overlap == "on" or (overlap == "auto" and is_substitute_draft(draft))
+        # (nothing to overlap when no layer streams: every pass has its layers at hand)
+        engine.overlap = bool(s.plan.streamed_layers) and (
+            overlap == "on" or (overlap == "auto" and is_substitute_draft(draft)))
         if use_suffix:
             engine.suffix_store = SuffixStore(suffix_memory)
             # --draft suffix alone: with --tree auto (and adaptation) each proposal is run, trimmed

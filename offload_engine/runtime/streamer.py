@@ -117,6 +117,7 @@ class LayerExecutor:
         # `SpeculativeDecoder`): called, one unit at a time, while the layer is not in yet;
         # returns False when it has nothing left
         self.idle: Callable[[], bool] | None = None
+        self._idle_done = None  # CUDA: the event after the last idle unit queued
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
@@ -282,9 +283,15 @@ class LayerExecutor:
                 return self._acquire(self.ready[b])
         if self._error is not None:
             self._raise_loader_error()
-        if self.cuda:
-            while not self.ready_events[b].query() and self._idle_unit(idle):
-                pass
+        if self.cuda:  # one unit queued at a time: the next only once the GPU has run the last
+            stream = torch.cuda.current_stream(self.device)
+            while not self.ready_events[b].query():
+                if self._idle_done is not None and not self._idle_done.query():
+                    break
+                if not self._idle_unit(idle):
+                    break
+                self._idle_done = torch.cuda.Event()
+                self._idle_done.record(stream)
 
     def _idle_unit(self, idle: Callable[[], bool]) -> bool:
         start = time.perf_counter()

@@ -291,6 +291,7 @@ class GrownAhead:
     draft cache's slots after this step's tree, job k's node j at slot0 + k*n + j). A job is
     used only when its case comes; it is a proposal, never a decision: verification is as always."""
     shape: "StaticShape"
+    kind: str  # the tree kind it was grown for (specinfer draws its first level with replacement)
     base: int  # the draft cache's committed length during the pass (this tree's node 0 is there)
     slot0: int  # the first slot after this step's tree
     jobs: list
@@ -410,7 +411,9 @@ class SpeculativeDecoder:
         if draft is not None and self.device.type != "cpu":
             self.device_g = torch.Generator(self.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
         # draws of trees grown ahead: a generator of their own, so that how far the growing got
-        # (a matter of timing) never shifts the draws of verification
+        # (a matter of timing) does not shift the draws in the pass it runs in (a step that then
+        # starts from a tree grown ahead skips the draws a fresh tree takes: seeded sampling with
+        # overlap is exact in distribution, not reproducible token for token)
         self.ahead_g = torch.Generator(self.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator))) \
             if self.overlap else None
 
@@ -669,8 +672,9 @@ class SpeculativeDecoder:
         if ready is not None:
             ahead, k = ready
             job = ahead.jobs[k]
-            if not (ahead.shape is shape and self.draft_cache.length == ahead.base + shape.host_depths[job.anchor] + 1):
-                job = None  # (its root is this step's: `_case_came`)
+            if not (ahead.shape is shape and ahead.kind == self.spec.kind and job.guess == root
+                    and self.draft_cache.length == ahead.base + shape.host_depths[job.anchor] + 1):
+                job = None
         if job is not None:  # its first levels' K/V move to this tree's slots (the same positions)
             lo = shape.levels[job.done][0] if job.done < len(shape.levels) else n
             self.draft_cache.move(ahead.slot0 + k * n, self.draft_cache.length, lo)
@@ -755,7 +759,7 @@ class SpeculativeDecoder:
             return None
         if self._ahead_view is None or self._ahead_view.k is not cache.k:
             self._ahead_view = cache.view()
-        self._ahead = GrownAhead(shape, slot0 - n, slot0, jobs)
+        self._ahead = GrownAhead(shape, self.spec.kind, slot0 - n, slot0, jobs)
         return self._ahead
 
     def _ahead_unit(self) -> bool:
