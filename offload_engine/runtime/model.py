@@ -187,6 +187,7 @@ class Transformer:
             except StopIteration as done:
                 return done.value
 
+    @torch.inference_mode()  # (on a generator: entered at every resumption)
     def forward_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       mask: torch.Tensor | None = None, logits_rows: slice | None = None,
                       slots: torch.Tensor | None = None):
@@ -200,11 +201,9 @@ class Transformer:
         for i, w in enumerate(self.layers):
             if self.interrupt is not None and self.interrupt.is_set():
                 raise GenerationCancelled("generation cancelled")
-            with torch.inference_mode():
-                x = decoder_layer(w, x, rope, cache, i, mask, self.cfg, self.attention, slots)
+            x = decoder_layer(w, x, rope, cache, i, mask, self.cfg, self.attention, slots)
             yield
         if logits_rows is not None:
             x = x[:, logits_rows]
-        with torch.inference_mode():
-            x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-            return F.linear(x, self.lm_head)[0].float()  # [S', V]
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head)[0].float()  # [S', V]

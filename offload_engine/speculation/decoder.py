@@ -276,7 +276,6 @@ class AheadJob:
     (a node of this step's tree) and the bonus token is `guess`."""
     anchor: int
     guess: int
-    score: float  # the case's probability (`StaticShape.end_scores`)
     tokens: torch.Tensor  # [n] the next tree's tokens (-1: not drawn yet)
     q_rows: list  # Q rows of its levels run, in order
     guesses: torch.Tensor  # [n, AHEAD_GUESSES] per node run: the draft's best tokens outside its children
@@ -363,7 +362,7 @@ class SpeculativeDecoder:
         self.last_times = StepTimes(0.0, 0.0, 0.0)
         self._used_ahead = 0  # levels of the step's tree that came grown ahead
         self.chunk = 256  # set by prefill
-        need = capacity + self.max_nodes + self.graft_room
+        need = base_need = capacity + self.max_nodes + self.graft_room
         # overlap: while the target's pass waits for streamed layers, the draft grows the next
         # tree ahead (`GrownAhead`), in the draft cache's slots after this step's tree
         # ("eager": every level grown ahead runs before the pass, on any target: tests, and
@@ -373,11 +372,10 @@ class SpeculativeDecoder:
         if self.overlap:
             need += AHEAD_JOBS * self.max_nodes
             if prefix_cache is not None:  # (near the context's end it then grows nothing ahead)
-                need = max(capacity + self.max_nodes + self.graft_room, min(need, prefix_cache.max_capacity))
+                need = max(base_need, min(need, prefix_cache.max_capacity))
         self._ahead: GrownAhead | None = None  # being grown during this step's pass
         self._ready: tuple[GrownAhead, int] | None = None  # (grown, job) for the step that starts now
         self._tree_guesses = None  # per node of the step's tree, the bonus guess (where ahead jobs start)
-        self._ahead_view: KVCache | None = None  # the draft cache, as the ahead levels write it
         self._ahead_work = None  # the generator growing them (`_grow_ahead`)
         self.ahead_hits = self.ahead_misses = 0
         # a substitute self-draft shares the target's cache: one sequence, the draft writing its
@@ -392,6 +390,8 @@ class SpeculativeDecoder:
             self.seqs[0].view = self.target_cache.view()
         self.draft_seq = None if draft is None else self.seqs[0] if self.shared else self.seqs[1]
         self.draft_cache = None if draft is None else self.seqs[0].view if self.shared else self.seqs[1].cache
+        # the draft cache as the levels grown ahead write it (slots given explicitly)
+        self._ahead_view = self.draft_cache.view() if self.overlap else None
         self.reused_tokens = 0  # prompt tokens whose target K/V came from the previous generation
         self.device = draft.device if draft is not None else target.device
         if draft_graphs == "auto":
@@ -481,8 +481,7 @@ class SpeculativeDecoder:
 
     def step(self, root: int) -> StepResult:
         self._extra: dict[int, list[int]] = {}  # best-first trees: draws left out of the tree, per node
-        if self._ready is not None and (not self.overlap or self.draft is None):
-            self._ready = None
+        ready, self._ready = self._ready, None  # a tree grown ahead serves this step or none
         t_start = time.perf_counter()
         proposal = self.suffix.propose(root) if self.suffix is not None else None
         arm, full = "model", proposal
@@ -513,7 +512,7 @@ class SpeculativeDecoder:
             depths = torch.zeros(1, dtype=torch.long, device=self.device)
         elif self.shape is not None:
             parents, mask, depths = self.shape.parents, self.shape.mask, self.shape.depths
-            tokens, draft_probs = self._grow_static(root)
+            tokens, draft_probs = self._grow_static(root, ready)
         else:
             tree, draft_probs = self._grow_best_first(root)
             n = len(tree)
@@ -566,7 +565,7 @@ class SpeculativeDecoder:
             dbase = self.draft_cache.length - n_model  # the tree's slots follow the committed ones
             self.draft_cache.truncate(dbase)
             self.draft_cache.commit([dbase + i for i in path[:on_model]])
-            self.seqs[1].tokens.extend(kept[:on_model])  # (the rest: caught up at the next step)
+            self.draft_seq.tokens.extend(kept[:on_model])  # (the rest: caught up at the next step)
         if self.suffix is not None:
             self.suffix.extend(kept)
         self.last_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t_start, t_caught - t0,
@@ -660,13 +659,14 @@ class SpeculativeDecoder:
             valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], 1)
         return idx, valid, q
 
-    def _grow_static(self, root: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _grow_static(self, root: int, ready: tuple[GrownAhead, int] | None = None) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor | None]:
         """Grow the static tree level by level from the root (every level, the leaves included,
         runs through the draft so that any accepted node has its K/V). Returns the tokens [n] and
         Q [rows, V] for the nodes above the last level (None at temperature 0), all on the device.
-        When the last pass grew this step's tree ahead (its case came), growth goes on from there."""
+        When the last pass grew this step's tree ahead (`ready`: its case came), growth goes on from
+        there."""
         shape, n = self.shape, self.shape.n
-        ready, self._ready = self._ready, None
         start, dev = 0, self.device
         job = None
         if ready is not None:
@@ -753,12 +753,10 @@ class SpeculativeDecoder:
                 continue
             t = torch.full((n,), -1, dtype=torch.long, device=self.device)
             t[0] = int(guess)
-            jobs.append(AheadJob(int(node), int(guess), value, t, [],
+            jobs.append(AheadJob(int(node), int(guess), t, [],
                                  torch.zeros(n, AHEAD_GUESSES, dtype=torch.long, device=self.device)))
         if not jobs:
             return None
-        if self._ahead_view is None or self._ahead_view.k is not cache.k:
-            self._ahead_view = cache.view()
         self._ahead = GrownAhead(shape, self.spec.kind, slot0 - n, slot0, jobs)
         return self._ahead
 
