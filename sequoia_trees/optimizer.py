@@ -54,7 +54,14 @@ class Timings:
     (forward and drawing the children); widths strictly increasing. A speculation step adds
     `step_seconds` (the per-step constant: verification, commits; negative where the next pass's
     first layers load while the draft runs), `node_seconds` per tree node, and pays the draft's
-    levels times `draft_factor`. Plain decoding costs target(1) + `plain_seconds`."""
+    levels times `draft_factor`. Plain decoding costs target(1) + `plain_seconds`.
+
+    Overlap (drafting while the target streams): `idle_seconds` (per target width, or empty) is
+    the part of a pass spent waiting for streamed layers, when the draft may grow the next tree;
+    `overlap_use` is the share of the draft work that fits there which the next step gets to use
+    (the cases grown that came, at the cost they would have had). A step then costs
+    max(target pass, its compute + overlapped draft work) + the draft work that cannot overlap,
+    overlapped = overlap_use * min(draft work, idle): see `step`."""
 
     target_tokens: tuple[int, ...]
     target_seconds: tuple[float, ...]
@@ -64,6 +71,8 @@ class Timings:
     node_seconds: float = 0.0
     draft_factor: float = 1.0
     plain_seconds: float = 0.0
+    idle_seconds: tuple[float, ...] = ()
+    overlap_use: float = 0.0
 
     def __post_init__(self):
         for name, xs, ys in (("target", self.target_tokens, self.target_seconds),
@@ -79,6 +88,13 @@ class Timings:
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if not (math.isfinite(self.draft_factor) and self.draft_factor >= 0):
             raise ValueError(f"draft_factor must be finite and >= 0, got {self.draft_factor}")
+        if self.idle_seconds and len(self.idle_seconds) != len(self.target_tokens):
+            raise ValueError(f"idle times: need one per target width ({len(self.target_tokens)}) or none, "
+                             f"got {len(self.idle_seconds)}")
+        if any(not (0 <= y <= t) for y, t in zip(self.idle_seconds, self.target_seconds)):
+            raise ValueError(f"idle times must be within 0 and their pass's time, got {self.idle_seconds}")
+        if not 0 <= self.overlap_use <= 1:
+            raise ValueError(f"overlap_use must be within 0 and 1, got {self.overlap_use}")
 
     def target(self, n: int) -> float:
         return interpolate(self.target_tokens, self.target_seconds, n)
@@ -93,13 +109,28 @@ class Timings:
         under a quarter of the isolated pass, whatever a noisy constant says)."""
         return max(0.25 * self.target(1), self.target(1) + self.plain_seconds)
 
+    def idle(self, n: int) -> float:
+        """Seconds of a pass over n tokens spent waiting for streamed layers (0 when unknown)."""
+        return interpolate(self.target_tokens, self.idle_seconds, n) if self.idle_seconds else 0.0
+
+    def overlapped(self, n: int, draft_work: float) -> float:
+        """Of a step's draft work (seconds), the part grown during the pass before it, over n
+        tokens as well (a steady run of one tree shape): the share `overlap_use` of what fits
+        in the pass's idle time."""
+        return self.overlap_use * min(draft_work, self.idle(n))
+
     def step(self, n: int, widths: tuple[int, ...]) -> tuple[float, float, float]:
         """(seconds, target part, draft part) of a speculation step over a tree of n nodes whose
         levels have these widths; never under a quarter of its isolated target pass (the
-        constant may be negative, see `plain`)."""
+        constant may be negative, see `plain`). The draft part is the whole draft work; the
+        step pays max(pass, pass - idle + overlapped) + (draft work - overlapped): overlapped
+        work fills the pass's waits, at most."""
         t_target = self.target(n)
         t_draft = sum(self.draft(w) for w in widths)
-        total = t_target + self.draft_factor * t_draft + self.step_seconds + self.node_seconds * n
+        work = self.draft_factor * t_draft
+        over = self.overlapped(n, work)
+        total = (max(t_target, t_target - self.idle(n) + over) + work - over
+                 + self.step_seconds + self.node_seconds * n)
         return max(0.25 * t_target, total), t_target, t_draft
 
 
@@ -113,6 +144,7 @@ class Choice:
     draft_seconds: float
     level_widths: tuple[int, ...]
     tree: TreePlan
+    overlap_seconds: float = 0.0  # of the draft's work, grown during the pass before the step
 
     @property
     def seconds_per_token(self) -> float:
@@ -123,10 +155,11 @@ class Choice:
         return self.tokens_per_step / self.seconds_per_step
 
     def describe(self) -> str:
+        over = f", {self.overlap_seconds:.3f} s of it during the pass" if self.overlap_seconds else ""
         return (f"tree ({self.budget}, {self.depth}): {self.tokens_per_step:.2f} tokens/step predicted, "
                 f"{self.seconds_per_step:.3f} s/step (target {self.target_seconds:.3f} s, draft "
-                f"{self.draft_seconds:.3f} s over {len(self.level_widths)} levels, the rest "
-                f"{self.seconds_per_step - self.target_seconds - self.draft_seconds:+.3f} s), "
+                f"{self.draft_seconds:.3f} s over {len(self.level_widths)} levels{over}, the rest "
+                f"{self.seconds_per_step - self.target_seconds - self.draft_seconds + self.overlap_seconds:+.3f} s), "
                 f"{self.seconds_per_token:.3f} s/token")
 
 
@@ -187,7 +220,8 @@ class Candidates:
         d = max(depths)
         tree = self._trees[(n, d)]
         step, t_target, t_draft = timings.step(n, level_widths(tree))
-        return Choice(n, d, tree.expected_tokens, step, t_target, t_draft, level_widths(tree), tree)
+        return Choice(n, d, tree.expected_tokens, step, t_target, t_draft, level_widths(tree), tree,
+                      timings.overlapped(n, timings.draft_factor * t_draft))
 
     def merged(self, other: "Candidates", above: int) -> "Candidates":
         """These candidates, and `other`'s with budgets over `above` (kept as they were)."""

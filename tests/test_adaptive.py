@@ -64,14 +64,14 @@ def test_timing_factors_follow_a_slower_machine_within_a_few_steps():
     widths = (1, 2, 4)
     for _ in range(12):  # the disk at half speed: every target part takes twice its prediction
         part = t.target_part(8)
-        t.observe(8, widths, StepTimes(draft=t.draft_part(widths), target=2 * part - 0.001, total=2 * part
-                                       + t.draft_part(widths)))
+        t.observe(8, widths, StepTimes(draft=t.draft_part(8, widths), target=2 * part - 0.001, total=2 * part
+                                       + t.draft_part(8, widths)))
     assert t.factor("target") == pytest.approx(2.0, rel=0.05)
     assert t.factor("draft") == pytest.approx(1.0, rel=0.02)
     assert t.timings().target(1) == pytest.approx(2.0 * base.target(1), rel=0.05)
     # one freak step (a graph capture, a page-cache miss: ten times its prediction) moves nothing
     part = t.target_part(8)
-    t.observe(8, widths, StepTimes(draft=t.draft_part(widths), target=20 * part, total=20 * part))
+    t.observe(8, widths, StepTimes(draft=t.draft_part(8, widths), target=20 * part, total=20 * part))
     assert t.factor("target") == pytest.approx(2.0, rel=0.05)
 
 

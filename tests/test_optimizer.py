@@ -119,3 +119,52 @@ def test_the_step_model_fitted_to_real_steps_recovers_known_parts():
     assert a == pytest.approx(0.03, abs=0.01) and b == pytest.approx(4e-4, abs=1e-4)
     assert f == pytest.approx(0.6, abs=0.03) and plain == pytest.approx(0.01, abs=1e-9)
     assert cv < 0.02
+
+
+def test_overlapped_draft_work_fills_the_pass_waits_and_no_more():
+    """Timings.step with overlap: step = max(pass, pass - idle + overlapped) + (draft work -
+    overlapped) + a + b*n, overlapped = overlap_use * min(draft work, idle); the figures below
+    are worked by hand. A tree that did not pay pays once its draft hides in the waits."""
+    ns = (1, 16, 64)
+    base = dict(target_tokens=ns, target_seconds=(1.0, 1.0, 1.2), draft_widths=(1, 16), draft_seconds=(0.1, 0.1),
+                step_seconds=0.01, node_seconds=0.001)
+    widths = (1, 4, 8, 3)  # 4 levels of 0.1 s: 0.4 s of draft work, 16 nodes
+    plain = Timings(**base)
+    assert plain.step(16, widths)[0] == pytest.approx(1.0 + 0.4 + 0.01 + 0.016)
+    half = Timings(**base, idle_seconds=(0.6, 0.6, 0.3), overlap_use=0.5)
+    assert half.overlapped(16, 0.4) == pytest.approx(0.2)  # half of the 0.4 s that fits in 0.6 s
+    assert half.step(16, widths)[0] == pytest.approx(1.0 + 0.2 + 0.01 + 0.016)
+    full = Timings(**base, idle_seconds=(0.6, 0.6, 0.3), overlap_use=1.0)
+    assert full.step(16, widths)[0] == pytest.approx(1.0 + 0.01 + 0.016)  # hidden whole: the pass alone
+    # at 64 tokens only 0.3 s waits: 0.3 s overlapped, the rest paid, the pass not lengthened
+    assert full.step(64, widths)[0] == pytest.approx(1.2 + 0.1 + 0.01 + 0.064)
+    assert full.idle(40) == pytest.approx(0.45)  # interpolated like the pass
+    # a tree that loses to plain decoding without overlap wins with it
+    vec = AcceptanceVector((0.3, 0.1))
+    slow_draft = dict(base, draft_seconds=(0.3, 0.3))
+    assert choose(vec, Timings(**slow_draft)).budget == 1
+    hidden = choose(vec, Timings(**slow_draft, idle_seconds=(0.9, 0.9, 1.1), overlap_use=1.0))
+    assert hidden.budget > 1 and hidden.overlap_seconds > 0
+    assert "of it during the pass" in hidden.describe()
+    for bad in (dict(idle_seconds=(0.1,)), dict(idle_seconds=(0.1, 2.0, 0.1)), dict(overlap_use=1.5),
+                dict(idle_seconds=(0.1, -0.1, 0.1))):
+        with pytest.raises(ValueError):
+            Timings(**base, **bad)
+
+
+def test_the_overlap_use_fitted_to_paired_steps():
+    """profiler.fit_overlap_use: over the second step of each pair, the draft time its levels
+    grown ahead saved over min(the tree's draft work, the pass's waits): here two of three pairs'
+    second steps came with their first two levels grown ahead."""
+    from offload_engine.planning import profiler
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import level_widths
+    ns = (1, 16, 64)
+    base = Timings(ns, (1.0, 1.0, 1.2), (1, 4, 16), (0.02, 0.04, 0.1), idle_seconds=(0.5, 0.5, 0.4))
+    widths = level_widths(TreeTable(profiler.PROFILE_VECTOR, 16, 4).tree(16, 4))
+    work = sum(base.draft(w) for w in widths)
+    saved = base.draft(widths[0]) + base.draft(widths[1])
+    use = profiler.fit_overlap_use([(16, 4), (1, 1)], [[0, 2, 0, 2, 0, 0], [0, 0, 0]], base)
+    assert use == pytest.approx(2 * saved / (3 * min(work, 0.5)))
+    assert profiler.fit_overlap_use([(16, 4)], [[0, 0, 0, 0]], base) == 0.0
+    assert profiler.fit_overlap_use([(16, 4)], [[0, 2]], Timings(ns, (1.0, 1.0, 1.2), (1,), (0.02,))) == 0.0

@@ -145,3 +145,42 @@ def test_substitute_self_drafts_count_a_copy_per_streamed_layer_and_say_when_the
     assert len(q4.plan.resident_layers) > len(q8.plan.resident_layers)  # smaller copies leave more room
     with pytest.raises(UserError, match=r"draft substitutes \(every layer\) 35\.86 GiB"):
         simulator.simulate("rtx4090", 192 * 2**30, "llama-3.1-70b", "self-q4")
+
+
+def test_the_substitute_draft_grows_the_next_tree_in_the_pass_waits():
+    """simulate --draft self-q4: the idle time of a pass is every streamed layer's copy less its
+    compute (but the last two layers', where the engine grows nothing); the share used is the
+    probability that a step ends as one of the cases grown; the step pays the draft work less
+    what was overlapped, and --overlap off pays it all."""
+    from offload_engine.runtime.streamer import IDLE_TAIL_LAYERS
+    on = simulator.simulate("l40", 192 * 2**30, "llama-3.1-70b", "self-q4")
+    off = simulator.simulate("l40", 192 * 2**30, "llama-3.1-70b", "self-q4", overlap="off", tree=(on.choice.budget,
+                                                                                               on.choice.depth))
+    cfg, gpu, a = load_model_shape("llama-3.1-70b")[1], load_gpu_spec("l40"), simulator.Assumptions()
+    compute, ram_copy, _ = simulator._layer_s(cfg, "fp16", 1, gpu, a)
+    waits = sum(1 for i in on.plan.ram_layers if i < cfg.num_layers - IDLE_TAIL_LAYERS) * (ram_copy - compute)
+    assert on.plan.ram_layers and not on.plan.disk_layers
+    assert on.timings.idle(1) == pytest.approx(waits)
+    assert on.timings.overlap_use == pytest.approx(simulator.overlap_use(on.choice.tree, on.acceptance))
+    assert 0 < on.timings.overlap_use < 1 and not off.timings.overlap_use
+    c = on.choice
+    assert c.overlap_seconds == pytest.approx(on.timings.overlap_use * min(c.draft_seconds, on.timings.idle(c.budget)))
+    assert c.seconds_per_step == pytest.approx(off.choice.seconds_per_step - c.overlap_seconds)
+    assert "overlap:" in on.report() and "overlap:" not in off.report()
+    # a separate draft model is not grown ahead unless asked
+    assert not simulator.simulate("l40", 192 * 2**30, "llama-3.1-70b", "llama-3.1-8b").timings.overlap_use
+
+
+def test_the_hit_probability_of_the_cases_grown_ahead():
+    """A root with two children, p = (0.6, 0.2): the cases (end node, bonus guess) are the root
+    with a third or fourth choice (each half of the 0.2 the vector leaves), the first child with
+    its first or second choice (0.6 x 0.6, 0.6 x 0.2) and the second child's (0.2 x 0.6, 0.2 x 0.2):
+    worked by hand, the four likeliest sum to 0.36 + 0.12 + 0.12 + 0.1."""
+    from sequoia_trees.acceptance import AcceptanceVector
+    from sequoia_trees.tree import TreePlan, ahead_hit_probability, end_probabilities
+    tree = TreePlan((-1, 0, 0), (0, 1, 1), (0, 0, 1), 1.8)
+    vec = AcceptanceVector((0.6, 0.2))
+    ends = end_probabilities(tree.parents, tree.ranks, vec, 2)
+    assert [x for row in ends for x in row] == pytest.approx([0.1, 0.1, 0.36, 0.12, 0.12, 0.04])
+    assert ahead_hit_probability(tree, vec, 4, 2) == pytest.approx(0.70)
+    assert ahead_hit_probability(tree, vec, 1, 2) == pytest.approx(0.36)

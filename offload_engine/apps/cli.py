@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: as many layers resident as fit, the rest streamed; ram: every layer streamed")
     sim.add_argument("--acceptance", default=None, help="acceptance vector JSON (default: the Sequoia paper's "
                                                         "Llama3-70B/8B example vector, hw_profiles/published/)")
+    sim.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
+                     help="model the draft growing the next tree while the pass waits for streamed layers "
+                          "(default auto: on for self-q4 / self-q8, as the engine runs them)")
     sim.add_argument("--tree", default=None, help="evaluate this tree N,D (nodes, levels) instead of choosing one")
     sim.add_argument("--tokens-per-step", type=float, default=None,
                      help="with --tree: the tokens per step to assume (e.g. a published figure)")
@@ -511,6 +514,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"step model, {name}: t_target(n) + {t.draft_factor:.2f} x draft levels {t.step_seconds:+.4f} s "
               f"{t.node_seconds * 1e3:+.3f} ms/node; plain: t_target(1) {t.plain_seconds:+.4f} s; "
               f"cross-validated error {cv:.1%} (each real step predicted from a fit to the others)")
+        if t.idle_seconds:
+            print(f"overlap, {name}: a pass waits {t.idle(1):.4f} s (1 token) to {t.idle(t.target_tokens[-1]):.4f} s "
+                  f"({t.target_tokens[-1]} tokens) for streamed layers; the next step used {t.overlap_use:.0%} of "
+                  "the draft work that fits there (step = max(pass, overlapped) + the draft work left)")
     print(f"measured in {prof.measure_s:.1f} s")
     if args.out:
         Path(args.out).write_text(prof.to_json())
@@ -545,7 +552,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sim = simulator.simulate(args.gpu, parse_size(args.ram), args.model,
                                  None if args.draft in (None, "none") else args.draft, args.precision,
                                  args.acceptance, args.offload, parse_size(args.vram) if args.vram else None, tree,
-                                 args.tokens_per_step, args.max_budget, args.max_depth, a, args.draft_precision)
+                                 args.tokens_per_step, args.max_budget, args.max_depth, a, args.draft_precision,
+                                 args.overlap)
     print(json.dumps(sim.as_dict(), indent=2) if args.json else sim.report())
     return 0
 

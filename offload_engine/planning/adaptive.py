@@ -139,13 +139,16 @@ class TimingEstimate:
             return b.plain()
         return max(0.25 * b.target(n), b.target(n) + b.step_seconds + b.node_seconds * n)
 
-    def draft_part(self, widths: tuple[int, ...]) -> float:
-        return self.base.draft_factor * sum(self.base.draft(w) for w in widths)
+    def draft_part(self, n: int, widths: tuple[int, ...]) -> float:
+        """The profile's prediction for the draft's part of a step before its pass: its work less
+        what the pass before grew ahead (`Timings.overlapped`)."""
+        work = self.base.draft_factor * sum(self.base.draft(w) for w in widths)
+        return work - self.base.overlapped(n, work)
 
     def observe(self, n: int, widths: tuple[int, ...], times: StepTimes) -> None:
         self._add("target", (times.target + times.rest) / self.target_part(n))
         if n > 1:
-            self._add("draft", (times.draft - times.catch_up) / self.draft_part(widths))
+            self._add("draft", (times.draft - times.catch_up) / self.draft_part(n, widths))
 
     def _add(self, part: str, ratio: float) -> None:
         if ratio > 0 and ratio < float("inf"):

@@ -93,6 +93,12 @@ class MeasuredProfile:
     fit_step_greedy_s: tuple[float, ...] = ()
     fit_cv_error: float = 0.0  # mean |predicted / measured - 1| over shapes left out of the fit
     fit_cv_error_greedy: float = 0.0
+    # drafting while the target streams (profiles before it lack these: no overlap): per target
+    # width, the seconds a pass waits for streamed layers (where the draft may grow the next
+    # tree); the share of the draft work fitting there that the next step used, sampled, greedy
+    target_idle_s: tuple[float, ...] = ()
+    overlap_use: float = 0.0
+    overlap_use_greedy: float = 0.0
 
     def timings(self, greedy: bool = False):
         """The optimizer's input for greedy or sampled decoding: times made non-decreasing in
@@ -107,7 +113,8 @@ class MeasuredProfile:
                        self.step_residual_greedy_s if g else self.step_residual_s,
                        self.step_per_node_greedy_s if g else self.step_per_node_s,
                        self.draft_factor_greedy if g else self.draft_factor,
-                       self.plain_step_greedy_s if g else self.plain_step_s)
+                       self.plain_step_greedy_s if g else self.plain_step_s,
+                       tuple(self.target_idle_s), self.overlap_use_greedy if g else self.overlap_use)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -115,7 +122,7 @@ class MeasuredProfile:
 
 # numeric fields that may be zero; one that may be negative; every other number must be > 0
 _MAY_BE_ZERO = {"stream_gb_per_s", "measure_s", "draft_factor", "draft_factor_greedy", "fit_cv_error",
-                "fit_cv_error_greedy"}
+                "fit_cv_error_greedy", "target_idle_s", "overlap_use", "overlap_use_greedy"}
 _SIGNED = {"step_residual_s", "step_residual_greedy_s", "step_per_node_s", "step_per_node_greedy_s", "plain_step_s",
            "plain_step_greedy_s"}
 

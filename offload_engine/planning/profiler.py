@@ -15,7 +15,14 @@ For one loaded engine (target placed by its plan, draft resident) it measures:
     prefetching the next pass's first layers while the draft runs takes away, so it may be
     negative), b the per-node cost and f the share of the draft's time a step pays (below 1 when
     prefetching overlaps it). A plain step gets its own constant. The fit's error is measured by
-    leaving each shape out in turn and predicting it from the others (`fit_cv_error`).
+    leaving each shape out in turn and predicting it from the others (`fit_cv_error`);
+  * where layers stream, idle(n): the part of each timed target pass spent waiting for streamed
+    layers (the executor's `idle_window_seconds`); with overlap on (the draft grows the next
+    tree in those waits) the real steps run in pairs of one shape, and the share of the draft
+    work fitting in the waits that the second step of each pair used is `overlap_use`
+    (`fit_overlap_use`; the steps are fitted at what they would have cost without the levels
+    grown ahead). `Timings.step` then models a step as max(pass, overlapped) + the draft work
+    left.
 Greedy and sampled decoding get their own draft times and step models: sampling costs more per
 node. Every timing under half a second (every step) is the median of three, the repeats taken
 round-robin over the widths (the shapes, both modes), not back to back: a slow spell of a shared
@@ -35,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 
@@ -198,11 +206,21 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     target.forward(prefix.to(device), torch.arange(PREFIX_TOKENS, device=device), cache, logits_rows=slice(0, 0))
     cache.advance(PREFIX_TOKENS)
 
+    executor = target.layers if plan.streamed_layers and hasattr(target.layers, "snapshot") else None
+    idles: dict[int, list[float]] = {}  # per width: each timed pass's waits for streamed layers
+
     def target_pass(n):
         tokens, positions, mask = _tree_inputs(n, PREFIX_TOKENS, device, g, engine.config.vocab_size)
-        return lambda: target.forward(tokens, positions, cache, mask=mask).cpu()
+
+        def run():
+            before = executor.snapshot().idle_window_seconds if executor is not None else 0.0
+            target.forward(tokens, positions, cache, mask=mask).cpu()
+            if executor is not None:
+                idles.setdefault(n, []).append(executor.snapshot().idle_window_seconds - before)
+        return run
 
     _timed(target_pass(1), device)  # warm-up: first-touch allocations, kernel selection
+    idles.clear()
     # the narrowest and the widest pass first, then the widths between (the most informative
     # first), so that a budget spent early still spans the whole range (the optimizer only
     # searches measured widths, interpolating between them); a pass under 0.5 s is the median
@@ -220,6 +238,8 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
         bar.update(1)
     measured = _rounds(passes, measured, device)
     ns, ts = sorted(measured), [measured[n] for n in sorted(measured)]
+    # the waits of the same passes (the median, never more than the pass's own median)
+    idle_s = tuple(min(statistics.median(idles[n]), t) for n, t in zip(ns, ts)) if executor is not None else ()
     if ns[-1] < widths[-1]:
         print(f"sequoia-offload: warning: the profile's time budget ({budget_s:g} s) ran out before a "
               f"{widths[-1]}-token pass; trees above {ns[-1]} nodes will not be considered "
@@ -261,8 +281,12 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     bases = {greedy: Timings(tuple(ns), tuple(accumulate(ts, max)), tuple(ws), tuple(accumulate(dt, max)))
              for greedy, dt in ((True, dts_greedy), (False, dts))}
     steps_budget = min(budget_s * 0.2, max(0.0, budget_s - (time.perf_counter() - started)))
-    shapes, times = _time_steps(engine, bases, g, steps_budget)
+    overlap = bool(getattr(engine, "overlap", False)) and executor is not None
+    shapes, times, ahead = _time_steps(engine, bases, g, steps_budget, pairs=overlap)
     fits = {greedy: fit_step_model(shapes, times[greedy], bases[greedy]) for greedy in (True, False)}
+    uses = {greedy: fit_overlap_use(shapes, ahead[greedy], replace(bases[greedy], draft_factor=fits[greedy][2],
+                                                                    idle_seconds=idle_s))
+            if overlap else 0.0 for greedy in (True, False)}
     bar.update(1)
     bar.close()
     (a_g, b_g, f_g, p_g, cv_g), (a_s, b_s, f_s, p_s, cv_s) = fits[True], fits[False]
@@ -280,21 +304,25 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
         fit_budgets=tuple(n for n, _ in shapes), fit_depths=tuple(d for _, d in shapes),
         fit_step_s=tuple(t[0] for t in times[False]), fit_step_greedy_s=tuple(t[0] for t in times[True]),
         fit_cv_error=cv_s,
-        fit_cv_error_greedy=cv_g)
+        fit_cv_error_greedy=cv_g, target_idle_s=idle_s, overlap_use=uses[False], overlap_use_greedy=uses[True])
 
 
-def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float):
+def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs: bool = False):
     """Real speculation steps, greedy (bases[True]) and sampled (bases[False]), of the STEP_SHAPES
     the measured widths allow (at least MIN_STEP_SHAPES of them, more while the warm-up round
     stays within a quarter of `budget_s`), then a plain step. A warm-up round first (untimed: fresh
     cache pages, first-use allocations, a draft catching up), then three timed rounds, each over
     every (mode, shape) in turn (two rounds when the budget is spent after two), so that a slow
-    spell of a shared machine falls on one round of each. Returns the shapes ((1, 1) for plain)
-    and, per mode, for each shape the medians of (whole step, draft part, target part)."""
+    spell of a shared machine falls on one round of each. With `pairs` (the draft grows the next
+    tree during the pass) each (mode, shape) runs two steps back to back, both timed: the second
+    may start from a tree the first grew ahead (the shape changes between pairs, which drops one).
+    Returns the shapes ((1, 1) for plain) and, per mode, for each shape the medians of (whole
+    step, draft part, target part), and each timed step's levels grown ahead (in run order)."""
     from ..speculation.decoder import SpeculativeDecoder, TreeSpec
     widest = bases[True].target_tokens[-1]
     fits = [(n, d) for n, d in STEP_SHAPES if n <= widest and n <= engine.max_batch_tokens]
-    capacity = PREFIX_TOKENS + 5 * sum(d + 1 for _, d in fits) + 16
+    per_shape = 2 if pairs else 1
+    capacity = PREFIX_TOKENS + 5 * per_shape * sum(d + 1 for _, d in fits) + 16
     ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
     decs, roots = {}, {}
     for greedy in (True, False):
@@ -311,7 +339,7 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float):
         dec.set_spec(TreeSpec("sequoia", n, d, acceptance=PROFILE_VECTOR) if n > 1 else TreeSpec())
         whole = _timed(lambda: roots.__setitem__(greedy, dec.step(roots[greedy]).tokens[-1]), device)
         t = dec.last_times  # a tree step after the plain one first catches the draft up: not its cost
-        return whole - t.catch_up, t.draft - t.catch_up, t.target
+        return whole - t.catch_up, t.draft - t.catch_up, t.target, t.ahead_levels
 
     started = time.perf_counter()
     shapes = []
@@ -320,20 +348,56 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float):
             break
         shapes.append((n, d))
         for greedy in (True, False):
-            one_step(greedy, n, d)
+            for _ in range(per_shape):
+                one_step(greedy, n, d)
     shapes.append((1, 1))
     for greedy in (True, False):
         one_step(greedy, 1, 1)
     runs = {(greedy, shape): [] for greedy in (True, False) for shape in shapes}
     for r in range(3):
-        if r == 2 and time.perf_counter() - started > budget_s:
+        if r == 2 and time.perf_counter() - started > budget_s * per_shape:
             break
         for shape in shapes:
             for greedy in (True, False):
-                runs[greedy, shape].append(one_step(greedy, *shape))
-    times = {greedy: [tuple(statistics.median(x[i] for x in runs[greedy, shape]) for i in range(3))
+                for _ in range(per_shape if shape[0] > 1 else 1):
+                    runs[greedy, shape].append(one_step(greedy, *shape))
+    # a step that started from levels grown ahead is counted at what it would have cost without
+    # them (whole and draft part): the step model's draft work; the overlap is fitted apart
+    times = {greedy: [tuple(statistics.median(x[i] + (_saved(bases[greedy], shape, x[3]) if i < 2 else 0.0)
+                                              for x in runs[greedy, shape]) for i in range(3))
                       for shape in shapes] for greedy in (True, False)}
-    return shapes, times
+    ahead = {greedy: [[x[3] for x in runs[greedy, shape]] for shape in shapes] for greedy in (True, False)}
+    return shapes, times, ahead
+
+
+def _saved(base: Timings, shape: tuple[int, int], ahead_levels: int) -> float:
+    """The draft time a step did not pay because its first `ahead_levels` levels were grown
+    during the pass before it: those levels at the profile's level times."""
+    if not ahead_levels:
+        return 0.0
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import level_widths
+    n, d = shape
+    return sum(base.draft(w) for w in level_widths(TreeTable(PROFILE_VECTOR, n, d).tree(n, d))[:ahead_levels])
+
+
+def fit_overlap_use(shapes: list[tuple[int, int]], ahead: list[list[int]], base: Timings) -> float:
+    """The share of the draft work that fits in a pass's waits which the next step used
+    (`Timings.overlap_use`), from the timed tree steps that followed a step of their own shape
+    (the second of each pair; `ahead`: each step's levels grown ahead, in pairs): the draft
+    time they saved (`_saved`) over the draft work `base` says could have been grown during
+    the pass before (min(the tree's draft work, base.idle(n))). 0 when no pass waits."""
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import level_widths
+    saved = room = 0.0
+    for (n, d), levels in zip(shapes, ahead):
+        if n == 1:
+            continue
+        work = base.draft_factor * sum(base.draft(w) for w in level_widths(TreeTable(PROFILE_VECTOR, n, d).tree(n, d)))
+        for second in levels[1::2]:
+            saved += _saved(base, (n, d), second)
+            room += min(work, base.idle(n))
+    return min(1.0, saved / room) if room > 0 else 0.0
 
 
 def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float, float]],

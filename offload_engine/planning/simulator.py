@@ -17,6 +17,15 @@ The model of a target pass over n tokens, layer by layer (REFERENCES.md 3):
 layers and an int4 / int8 copy of each streamed one, on the target's KV cache; the plan counts a
 substitute per streamed layer (and says so when even the substitutes do not fit), and a draft
 level runs the resident layers at their cost and the substitutes at theirs.
+With a substitute self-draft the draft also grows the next tree while the target's pass waits
+for streamed layers (`--overlap`, on by default for them, as in the engine): a pass's idle time
+is the sum over its streamed layers (but the last IDLE_TAIL_LAYERS, where the engine grows
+nothing) of max(0, copy - compute); the share of the draft work fitting there that the next
+step uses is the probability that the step ends as one of the cases grown (the AHEAD_JOBS most
+probable (end node, bonus) cases by the acceptance vector, fewer where a level is wide: at most
+AHEAD_WIDTH nodes a batched level), a batched level costing what one tree's level costs (a GPU
+level is memory-bound at these widths); the step is max(pass, overlapped work in its waits) +
+the draft work that cannot overlap (`Timings.step`).
 `--precision int8|int4` streams (and keeps resident) the target's layers at that size (int4:
 groups of 64, scales and minima in fp16): only the bytes change; compute stays fp16.
 `--precision q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k` are the GGUF block formats the runtime
@@ -32,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -110,18 +119,49 @@ def _head_s(cfg: ModelConfig, n: int, gpu: GpuSpec, a: Assumptions) -> float:
     return _compute_s(p, 2 * p, n, gpu, a) + a.layer_overhead_s
 
 
-def target_pass_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, n: int, gpu: GpuSpec,
-                  a: Assumptions) -> float:
+def _layer_s(cfg: ModelConfig, precision: str, n: int, gpu: GpuSpec, a: Assumptions) -> tuple[float, float, float]:
+    """(compute, copy from RAM, copy from disk) seconds of one target layer over n tokens."""
     params, lb = layer_params(cfg), layer_bytes(cfg, precision)
     if precision in GGUF_FORMATS:  # dequantized, then fp16 matmuls over the dense weights
         compute = _compute_s(params, 2 * params, n, gpu, a) + dequant_s(cfg, precision, gpu) + a.layer_overhead_s
     else:
         compute = _compute_s(params, lb, n, gpu, a) + a.layer_overhead_s
-    ram_copy = lb / (gpu.h2d_pinned_gb_per_s * 1e9)
-    disk_copy = lb / (min(a.nvme_gb_per_s, gpu.h2d_pinned_gb_per_s) * 1e9)
+    return (compute, lb / (gpu.h2d_pinned_gb_per_s * 1e9),
+            lb / (min(a.nvme_gb_per_s, gpu.h2d_pinned_gb_per_s) * 1e9))
+
+
+def target_pass_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, n: int, gpu: GpuSpec,
+                  a: Assumptions) -> float:
+    compute, ram_copy, disk_copy = _layer_s(cfg, precision, n, gpu, a)
     t = len(plan.resident_layers) * compute
     t += len(plan.ram_layers) * max(ram_copy, compute) + len(plan.disk_layers) * max(disk_copy, compute)
     return t + _head_s(cfg, n, gpu, a)
+
+
+def pass_idle_s(cfg: ModelConfig, plan: PlacementPlan, precision: str, n: int, gpu: GpuSpec,
+                a: Assumptions) -> float:
+    """Seconds of a target pass over n tokens spent waiting for streamed layers where the draft
+    may work (every streamed layer's max(0, copy - compute) but the last IDLE_TAIL_LAYERS')."""
+    from ..runtime.streamer import IDLE_TAIL_LAYERS
+    compute, ram_copy, disk_copy = _layer_s(cfg, precision, n, gpu, a)
+    last = cfg.num_layers - IDLE_TAIL_LAYERS
+    return (sum(1 for i in plan.ram_layers if i < last) * max(0.0, ram_copy - compute)
+            + sum(1 for i in plan.disk_layers if i < last) * max(0.0, disk_copy - compute))
+
+
+def overlap_use(tree, vector: AcceptanceVector) -> float:
+    """The share of the draft work fitting in a pass's waits that the next step uses, as the
+    engine grows it (`SpeculativeDecoder._grow_ahead`): the probability that a step over `tree`
+    ends as one of the cases grown, AHEAD_JOBS of them, fewer where the tree's widest level
+    leaves room for fewer in AHEAD_WIDTH nodes."""
+    from sequoia_trees.optimizer import level_widths
+    from sequoia_trees.tree import ahead_hit_probability
+
+    from ..speculation.decoder import AHEAD_GUESSES, AHEAD_JOBS, AHEAD_WIDTH
+    if tree.size <= 1:
+        return 0.0
+    jobs = max(1, min(AHEAD_JOBS, AHEAD_WIDTH // max(level_widths(tree))))
+    return ahead_hit_probability(tree, vector, jobs, AHEAD_GUESSES)
 
 
 SUBSTITUTES = {"self-q4": "int4", "self-q8": "int8"}
@@ -179,6 +219,7 @@ class Simulation:
                 "tree": {"budget": c.budget, "depth": c.depth, "level_widths": list(c.level_widths)},
                 "tokens_per_step": c.tokens_per_step, "seconds_per_step": c.seconds_per_step,
                 "target_seconds": c.target_seconds, "draft_seconds": c.draft_seconds,
+                "draft_overlapped_seconds": c.overlap_seconds,
                 "seconds_per_token": c.seconds_per_token, "tokens_per_second": c.tokens_per_second,
                 "plain_seconds_per_token": self.plain_seconds_per_token, "speedup": self.speedup}
 
@@ -191,6 +232,11 @@ class Simulation:
                      f"[{', '.join(f'{p:.3f}' for p in self.acceptance.probs[:8])}]")
         lines.append("t_target(n): " + ", ".join(f"{n}: {t:.3f} s" for n, t in
                                                   zip(self.timings.target_tokens, self.timings.target_seconds)))
+        if self.timings.overlap_use:
+            t = self.timings
+            lines.append(f"overlap: a pass over {c.budget} tokens waits {t.idle(c.budget):.3f} s for streamed layers; "
+                         f"the draft grows the next tree there, {t.overlap_use:.0%} of it used by the next step "
+                         f"(the cases grown that come)")
         lines.append(f"chosen {c.describe()}")
         lines.append(f"plain offloaded decoding: {self.plain_seconds_per_token:.3f} s/token; with the tree: "
                      f"{c.seconds_per_token:.3f} s/token ({c.tokens_per_second:.2f} tokens/s), "
@@ -226,7 +272,8 @@ def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int
         raise UserError(f"--tree {n},{d}: {e}") from None
     step, t_target, t_draft, widths = evaluate(plan_tree, timings)
     value = tokens_per_step if tokens_per_step is not None else plan_tree.expected_tokens
-    return Choice(n, d, value, step, t_target, t_draft, widths, plan_tree)
+    return Choice(n, d, value, step, t_target, t_draft, widths, plan_tree,
+                  timings.overlapped(n, timings.draft_factor * t_draft))
 
 
 def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str | ModelConfig | None,
@@ -234,8 +281,11 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str 
              acceptance: str | Path | None = None, offload: str = "auto", vram: int | None = None,
              tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
              max_budget: int = 1024, max_depth: int = 24, assumptions: Assumptions = Assumptions(),
-             draft_precision: str = "fp16") -> Simulation:
+             draft_precision: str = "fp16", overlap: str = "auto") -> Simulation:
+    """`overlap`: auto (on for the substitute self-drafts, as in the engine), on or off."""
     a = assumptions
+    if overlap not in ("auto", "on", "off"):
+        raise UserError(f"--overlap must be auto, on or off, got {overlap!r}")
     spec = gpu if isinstance(gpu, GpuSpec) else load_gpu_spec(gpu)
     cfg = model if isinstance(model, ModelConfig) else load_model_shape(model)[1]  # a preset, or a config
     scheme = SUBSTITUTES.get(draft) if isinstance(draft, str) else None
@@ -267,10 +317,15 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str 
                         else draft_level_s(draft_cfg, draft_precision, w, spec, a) for w in DRAFT_WIDTHS)
         timings = Timings(TARGET_WIDTHS, t_target, DRAFT_WIDTHS, t_draft, a.step_overhead_s)
         choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
+        if plan.streamed_layers and (overlap == "on" or (overlap == "auto" and scheme)):
+            idle = tuple(pass_idle_s(cfg, plan, precision, n, spec, a) for n in TARGET_WIDTHS)
+            for _ in range(2):  # the share used depends on the tree, the tree on the share
+                timings = replace(timings, idle_seconds=idle, overlap_use=overlap_use(choice.tree, vector))
+                choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
     setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": _label(model), "draft": _label(draft),
                "precision": precision,
                "draft_precision": draft_precision,
-               "offload": offload, **{k: v for k, v in dataclasses.asdict(a).items()}}
+               "offload": offload, "overlap": overlap, **{k: v for k, v in dataclasses.asdict(a).items()}}
     return Simulation(setting, plan, timings, vector, source, choice, t_target[0])
 
 

@@ -60,6 +60,7 @@ class StreamStats:
     dequant_seconds: float = 0.0  # time turning streamed blocks into compute-dtype weights (copy side)
     pass_seconds: float = 0.0
     idle_work_seconds: float = 0.0  # of the stalls: other work done while waiting (`LayerExecutor.idle`)
+    idle_window_seconds: float = 0.0  # of the stalls: those where `idle` work may run (not the last layers')
 
     prefetched_bytes: int = 0  # filled ahead for the next pass, not yet consumed (when read)
 
@@ -239,6 +240,8 @@ class LayerExecutor:
                     w = self.views(held, i)[0]
                 start = self.clock.mark(stream)
                 self._pending.append(("stall_seconds", last_end, start))
+                if held is not None and i < self.plan.num_layers - IDLE_TAIL_LAYERS:
+                    self._pending.append(("idle_window_seconds", last_end, start))
                 yield w
                 last_end = self.clock.mark(stream)
                 self._pending.append(("compute_seconds", start, last_end))

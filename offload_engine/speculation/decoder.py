@@ -38,6 +38,7 @@ import torch
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import optimal_tree
 from sequoia_trees.dynamic import BestFirstFrontier
+from sequoia_trees.tree import end_probabilities
 from sequoia_trees.sampling import SamplingParams, gumbel_top_k, logits_to_probs, sample
 from sequoia_trees.verify import VerifyResult, verify_greedy_argmax, verify_stochastic, verify_stochastic_table
 
@@ -134,17 +135,7 @@ class StaticShape:
         the vector's ranks, half the probability it leaves)."""
         key = (acceptance, AHEAD_GUESSES)
         if key not in self._end_scores:
-            p, n = acceptance.probs, self.n
-            tail = acceptance.reject_all / 2  # a rank past the vector's: half the mass it leaves
-            kids = [0] * n
-            for i in range(1, n):
-                kids[self.parents[i]] += 1
-            path = [1.0] * n
-            for i in range(1, n):
-                r = self.rank_of[i]
-                path[i] = path[self.parents[i]] * (p[r] if r < len(p) else tail)
-            end = [[path[i] * (p[kids[i] + g] if kids[i] + g < len(p) else tail) for g in range(AHEAD_GUESSES)]
-                   for i in range(n)]
+            end = end_probabilities(self.parents, tuple(self.rank_of), acceptance, AHEAD_GUESSES)
             self._end_scores[key] = torch.tensor(end, dtype=torch.float32, device=self.mask.device)
         return self._end_scores[key]
 
