@@ -180,7 +180,9 @@ def plan_only(target="default", device=None, dtype=None, max_context=None, offlo
     """The placement Engine.load would use, without loading anything (`sequoia-offload plan`).
     The draft (a folder, "default", "self-int8" or "self-int4") is counted as resident on the
     device: a folder in the compute dtype, a self-draft at its quantised size, with its KV caches."""
-    draft, use_suffix = split_draft(draft)
+    if str(draft) == "auto":
+        raise UserError("plan --draft auto: each candidate's plan is in the table `plan --draft auto` prints")
+    draft, use_suffix = split_draft(None if str(draft) == "none" else draft)
     s = _setup(target, device, dtype, max_context, offload, vram, ram, buffers,
                max(max_batch_tokens, MAX_PATTERN + 1 if use_suffix else 1), True, draft, draft_group_size, cache_slots,
                weights)
@@ -242,6 +244,7 @@ class Engine:
         # present they shape --tree sequoia, the one nearest each generation's temperature
         self.stored_acceptance: dict = {}
         self.auto_plans: dict = {}  # --tree auto: temperature -> auto_tree.AutoPlan
+        self.draft_choice = None  # --draft auto: planning.draft_choice.DraftChoice
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
         self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
@@ -280,7 +283,8 @@ class Engine:
              acceptance: AcceptanceVector | None = None, draft_group_size: int = DEFAULT_GROUP_SIZE,
              cache_slots: int = 1, weights: str = "auto", adapt: bool = True,
              suffix_memory: int = DEFAULT_MEMORY, verify_reads: bool = False, overlap: str = "auto",
-             progress: bool = True) -> "Engine":
+             progress: bool = True, draft_candidates: list[str] | None = None,
+             draft_temperature: float | None = None) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -309,6 +313,22 @@ class Engine:
         """
         if overlap not in ("auto", "on", "off"):
             raise UserError(f"--overlap must be auto, on or off, got {overlap!r}")
+        if str(draft) == "none":
+            draft = None
+        if str(draft) == "auto":  # the optimizer chooses the draft too (`planning.draft_choice`)
+            from .planning.draft_choice import choose_draft
+            kwargs = dict(device=device, dtype=dtype, max_context=max_context, offload=offload, vram=vram, ram=ram,
+                          buffers=buffers, weights=weights, draft_group_size=draft_group_size,
+                          cache_slots=cache_slots, tree_budget=tree_budget, tree_depth=tree_depth,
+                          verify_reads=verify_reads, max_batch_tokens=max_batch_tokens)
+            choice = choose_draft(target, kwargs, draft_temperature, draft_candidates, progress)
+            if progress:
+                print(f"sequoia-offload: {choice.summary()}", file=sys.stderr)
+            engine = cls.load(target, draft=None if choice.chosen == "none" else choice.chosen, tree=tree,
+                              specinfer_width=specinfer_width, acceptance=acceptance, adapt=adapt,
+                              suffix_memory=suffix_memory, overlap=overlap, progress=progress, **kwargs)
+            engine.draft_choice = choice
+            return engine
         draft, use_suffix = split_draft(draft)
         if use_suffix and suffix_memory < 0:
             raise UserError(f"--suffix-memory must be >= 0 tokens, got {suffix_memory}")

@@ -37,13 +37,20 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                                "minus 4 GiB on a GPU machine; 0 on the CPU)")
     t = p.add_argument_group("speculation (with a draft)")
     t.add_argument("--draft", default=None,
-                   help="draft kept resident: a checkpoint folder, .gguf file, Hugging Face id or ollama:NAME "
+                   help="draft kept resident: 'auto' (the default for demo, generate, chat and serve: the one "
+                        "the optimizer predicts fastest on this machine, from each candidate's measured profile "
+                        "and acceptance; `plan --draft auto` shows the table; 'none': no draft), "
+                        "a checkpoint folder, .gguf file, Hugging Face id or ollama:NAME "
                         "(same tokenizer); 'default' (the embedded "
                         "target's distilled draft); 'self-int8' or 'self-int4' (the target's own layers "
                         "quantised, sharing its embeddings and head); 'self-q8' or 'self-q4' (substitute "
                         "self-drafts: the target's own resident layers, a quantised copy only of each streamed "
                         "layer, and the target's KV cache shared); 'suffix' (no model: continuations of text "
                         "already seen); or any of the model drafts followed by '+suffix' (both, grafted)")
+    t.add_argument("--draft-candidates", default=None, metavar="A,B",
+                   help="--draft auto: more drafts to consider (folders, .gguf files, model names), beside the "
+                        "self-drafts, the default draft (embedded target) and same-tokenizer models found beside "
+                        "the target")
     t.add_argument("--suffix-memory", type=int, default=1_000_000,
                    help="--draft ...suffix: tokens of earlier prompts and outputs kept to draft from (default "
                         "1,000,000, 4 bytes each; the oldest are forgotten)")
@@ -98,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="one streamed chat turn with the embedded default pair: the target "
                                        "streamed from disk (on a machine without a GPU), the default draft, --tree auto")
     _model_args(demo)
-    demo.set_defaults(draft="default", offload=None)
+    demo.set_defaults(draft="auto", offload=None)
     gen = sub.add_parser("generate", help="generate from a prompt")
     _model_args(gen)
+    gen.set_defaults(draft="auto")
     _sampling_args(gen)
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -109,11 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help='print one JSON object {"text", "token_ids", "stats"} on stdout and nothing else')
     chat = sub.add_parser("chat", help="interactive multi-turn chat with streamed answers")
     _model_args(chat)
+    chat.set_defaults(draft="auto")
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
                                        "/v1/models, /health) for desktop assistants and the openai client")
     _model_args(srv)
+    srv.set_defaults(draft="auto")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     srv.add_argument("--api-key", action="append", default=None,
@@ -234,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print where every part of the target would live, without loading it")
     _model_args(plan)
     plan.add_argument("--cache-slots", type=int, default=1, help="KV caches kept for prefix reuse (serve)")
+    plan.add_argument("--force", action="store_true", help="--draft auto: evaluate the candidates again even "
+                                                           "when their table is cached")
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     stream = bench_sub.add_parser("stream", help="disk-streamed pass time vs raw read time, and vs HF Accelerate")
@@ -250,8 +262,17 @@ def _sampling(args: argparse.Namespace) -> dict:
                 top_k=args.top_k, seed=args.seed, stop=args.stop)
 
 
-def _load(args: argparse.Namespace, quiet: bool = False):
+def _candidates(args: argparse.Namespace) -> list[str] | None:
+    given = getattr(args, "draft_candidates", None)
+    return [x.strip() for x in given.split(",") if x.strip()] if given else None
+
+
+def _load(args: argparse.Namespace, quiet: bool = False, temperature: float | None = None):
+    """The engine the flags describe; `temperature`: the one the requests will use, when known
+    (--draft auto chooses for it)."""
     from ..engine import Engine
+    if str(args.draft) == "none":
+        args.draft = None
     return Engine.load(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
                        offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers,
                        draft=args.draft, tree=args.tree, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
@@ -260,7 +281,8 @@ def _load(args: argparse.Namespace, quiet: bool = False):
                        weights=args.weights, adapt=getattr(args, "adapt", True),
                        suffix_memory=getattr(args, "suffix_memory", 1_000_000),
                        verify_reads=getattr(args, "verify_reads", False), overlap=getattr(args, "overlap", "auto"),
-                       progress=not quiet)
+                       progress=not quiet, draft_candidates=_candidates(args),
+                       draft_temperature=temperature)
 
 
 def _acceptance(path: str | None):
@@ -322,13 +344,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
         import torch
         gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         args.offload = "auto" if gpu else "disk"
-    engine = _load(args)
+    engine = _load(args, temperature=0.0)
+    print(_draft_line(engine, 0.0))
     print(_model_line(engine))
     print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
     result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=128,
                              on_token=_printer)
     print("\n" + _stats_line(result.stats))
     return 0
+
+
+def _draft_line(engine, temperature: float) -> str:
+    """'draft: NAME, tree (n,d), X s/token predicted, Yx over plain streamed decoding' (the
+    optimizer's choices for this temperature; with --draft auto, among how many candidates)."""
+    if engine.draft_choice is not None:
+        return engine.draft_choice.summary(temperature)
+    if engine.draft is None:
+        return "draft: none (plain streamed decoding)"
+    name = engine.draft_key or "given"
+    if not engine.auto_plans:
+        return f"draft: {name}, {engine.tree.kind} tree of {engine.tree.max_nodes} nodes (fixed, no prediction)"
+    plan = engine.auto_plans[min(engine.auto_plans, key=lambda t: (abs(t - temperature), t))]
+    c = plan.choice
+    tree = "plain" if c.budget == 1 else f"({c.budget},{c.depth})"
+    return (f"draft: {name}, tree {tree}, {c.seconds_per_token:.3f} s/token predicted, "
+            f"{plan.predicted_speedup:.2f}x over plain streamed decoding")
 
 
 def _model_line(engine) -> str:
@@ -350,7 +390,7 @@ def _messages(prompt: str, system: str | None) -> list[dict]:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise UserError("--system needs --chat (a plain prompt has no system message)")
-    engine = _load(args, quiet=args.json)
+    engine = _load(args, quiet=args.json, temperature=args.temperature)
     source = {"messages": _messages(args.prompt, args.system)} if args.chat else {"prompt": args.prompt}
     result = engine.generate(**source, **_sampling(args), on_token=None if args.json else _printer)
     if args.json:
@@ -361,7 +401,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _load(args)
+    engine = _load(args, temperature=args.temperature)
+    print(_draft_line(engine, args.temperature))
     print(_model_line(engine))
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     last_stats: dict | None = None
@@ -448,6 +489,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          offload=args.offload, vram=args.vram, ram=args.ram, buffers=args.buffers, draft=args.draft,
                          draft_group_size=args.draft_group_size, cache_slots=args.cache_slots, weights=weights)
 
+    if str(args.draft) == "auto":
+        return _plan_draft_auto(args)
     plan, folder, device, dtype = plan_for(args.weights)
     print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}, --weights {args.weights}\n")
     print(plan.table())
@@ -461,6 +504,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         hint = tier_change(plan, other)
         if hint:
             print(f"--weights {weights}: {hint} ({fmt_bytes(other.bytes_per_pass)} per pass)")
+    return 0
+
+
+def _plan_draft_auto(args: argparse.Namespace) -> int:
+    """plan --draft auto: every candidate draft, why it was dropped or what it is predicted to
+    make (the tree --tree auto would choose and its s/token at T=0 and 0.6), the one chosen."""
+    from ..planning.draft_choice import choice_path, choose_draft
+    kwargs = dict(device=args.device, dtype=args.dtype, max_context=args.max_context, offload=args.offload,
+                  vram=args.vram, ram=args.ram, buffers=args.buffers, weights=args.weights,
+                  draft_group_size=args.draft_group_size, cache_slots=args.cache_slots,
+                  tree_budget=args.tree_budget, tree_depth=args.tree_depth,
+                  verify_reads=getattr(args, "verify_reads", False), max_batch_tokens=1024)
+    choice = choose_draft(args.target, kwargs, None, _candidates(args), True, args.force)
+    print(choice.table())
+    print(f"\n{choice.summary()}")
+    from ..engine import resolve_target
+    print(f"(cached in {choice_path(resolve_target(args.target, False), kwargs, _candidates(args))})")
     return 0
 
 

@@ -1,0 +1,247 @@
+"""`--draft auto`: the optimizer chooses the draft too (the default when --draft is not given).
+
+The candidates are the drafts at hand without a download:
+  * the self-drafts: the substitute ones `self-q8` / `self-q4` (the target's own resident layers,
+    a quantised copy of each streamed one, the target's KV cache) and the full `self-int8` /
+    `self-int4` (every layer quantised, a cache of their own);
+  * `default`: the committed distilled draft of the embedded default target (other targets
+    cannot use it: the plan refuses it, and the table says why);
+  * models with the target's tokenizer found beside the target (sibling checkpoint folders with
+    an identical tokenizer.json and vocabulary, at most a quarter of its layers' parameters) or
+    named with `draft_candidates` (`--draft-candidates A,B`);
+  * `none`: plain streamed decoding.
+A candidate the memory budget cannot hold beside the target's plan is dropped with the planner's
+reason. Each other one is loaded as `--tree auto` loads it: its profile (level times, the step
+model) and its acceptance vectors, each measured once per machine / pair and cached, give the
+optimizer's best tree and its predicted s/token at T=0 and T=0.6. The engine then loads the one
+predicted fastest (at the request temperature when known, else over both). The `suffix` draft
+is not a candidate: what it gains depends on text repeating, which nothing measured before the
+text predicts (it is listed, with that reason); `--draft suffix` or `X+suffix` choose it.
+
+The table is cached in <cache>/draft-choice/, keyed by the target, the machine and the placement
+flags, and trusted only while every candidate's profile it was computed from is still cached
+(a profile measured again re-chooses). `sequoia-offload plan --draft auto` prints it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from ..fsutil import atomic_write_text, cache_root
+
+SELF_CANDIDATES = ("self-q8", "self-q4", "self-int8", "self-int4")
+TEMPERATURES = (0.0, 0.6)
+CHOICE_VERSION = 1
+SIBLING_SHARE = 0.25  # a found draft has at most this share of the target's parameters
+
+
+@dataclass
+class Candidate:
+    name: str  # the --draft value ("none": no draft)
+    predicted: dict = field(default_factory=dict)  # temperature -> predicted s/token
+    plain: dict = field(default_factory=dict)  # temperature -> plain streamed decoding, predicted
+    trees: dict = field(default_factory=dict)  # temperature -> "(n,d)" or "plain"
+    dropped: str = ""  # why it is not a candidate (memory, vocabulary, ...); "" when it is
+    profile: str = ""  # the profile file its timings came from
+
+    def score(self, temperature: float | None) -> float:
+        """Predicted s/token at the temperature (the nearest measured), or the mean over both."""
+        if self.dropped or not self.predicted:
+            return math.inf
+        if temperature is None:
+            return sum(self.predicted.values()) / len(self.predicted)
+        t = min(self.predicted, key=lambda k: (abs(float(k) - temperature), float(k)))
+        return self.predicted[t]
+
+
+@dataclass
+class DraftChoice:
+    candidates: list[Candidate]
+    chosen: str
+    temperature: float | None
+
+    @property
+    def best(self) -> Candidate:
+        return next(c for c in self.candidates if c.name == self.chosen)
+
+    def speedup(self, temperature: float | None = None) -> float:
+        """The chosen draft's predicted speed-up over plain streamed decoding."""
+        c = self.best
+        if not c.plain:
+            return 1.0
+        plain = Candidate("plain", predicted=c.plain)
+        return plain.score(temperature) / c.score(temperature)
+
+    def summary(self, temperature: float | None = None) -> str:
+        """One line: the draft chosen, its tree and its predicted speed-up."""
+        c = self.best
+        t = temperature if temperature is not None else self.temperature
+        key = min(c.trees, key=lambda k: abs(float(k) - (t or 0.0))) if c.trees else None
+        tree = c.trees.get(key, "plain") if key is not None else "plain"
+        return (f"draft auto: {c.name}, tree {tree}, {c.score(t):.3f} s/token predicted, "
+                f"{self.speedup(t):.2f}x over plain streamed decoding "
+                f"({sum(1 for x in self.candidates if not x.dropped)} candidates; `plan --draft auto` lists them)")
+
+    def table(self) -> str:
+        temps = sorted({float(k) for c in self.candidates for k in c.predicted}) or list(TEMPERATURES)
+        head = ("| draft | " + " | ".join(f"T={t:g}: tree, s/token" for t in temps)
+                + " | speed-up over plain | |")
+        lines = [head, "|---|" + "---|" * len(temps) + "---:|---|"]
+        for c in sorted(self.candidates, key=lambda c: (c.score(self.temperature), c.name)):
+            if c.dropped:
+                lines.append(f"| {c.name} | " + " | ".join("-" for _ in temps) + f" | - | dropped: {c.dropped} |")
+                continue
+            cells = []
+            for t in temps:
+                k = min(c.predicted, key=lambda x: abs(float(x) - t))
+                cells.append(f"{c.trees.get(k, 'plain')}, {c.predicted[k]:.3f}")
+            plain = Candidate("plain", predicted=c.plain).score(self.temperature) if c.plain else math.nan
+            mark = "**chosen**" if c.name == self.chosen else ""
+            lines.append(f"| {c.name} | " + " | ".join(cells) + f" | {plain / c.score(self.temperature):.2f}x | {mark} |")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": CHOICE_VERSION, "chosen": self.chosen, "temperature": self.temperature,
+                           "candidates": [asdict(c) for c in self.candidates]}, indent=2) + "\n"
+
+
+def candidate_names(target_folder: Path, embedded_default: bool, extra: list[str] | None) -> list[str]:
+    """The drafts to consider, in the order the table is built (ties go to the earlier)."""
+    names = list(SELF_CANDIDATES)
+    if embedded_default:
+        names.append("default")
+    names += [str(x) for x in (extra or [])]
+    names += [str(p) for p in siblings(target_folder) if str(p) not in names]
+    return names + ["suffix", "none"]
+
+
+def siblings(target_folder: Path) -> list[Path]:
+    """Checkpoint folders beside the target with its exact tokenizer.json and vocabulary size,
+    and at most SIBLING_SHARE of its decoder layers' parameters (by their configs)."""
+    from ..formats.config import load_config
+    from .simulator import layer_params
+
+    def params(cfg) -> int:
+        return cfg.num_layers * layer_params(cfg)
+    try:
+        tok = (target_folder / "tokenizer.json").read_bytes()
+        cfg = load_config(target_folder)
+        entries = sorted(target_folder.parent.iterdir())
+    except (OSError, UserError):
+        return []
+    found = []
+    for p in entries:
+        if p == target_folder or not (p / "config.json").is_file():
+            continue
+        try:
+            other = load_config(p)
+            if (p / "tokenizer.json").read_bytes() != tok or other.vocab_size != cfg.vocab_size:
+                continue
+            if params(other) > SIBLING_SHARE * params(cfg):
+                continue
+        except (OSError, UserError):
+            continue
+        found.append(p)
+    return found
+
+
+def _key(folder: Path, kwargs: dict) -> str:
+    from ..formats.checkpoint import fingerprint
+    from .profiler import machine_name
+    import torch
+    device = kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    ident = [CHOICE_VERSION, fingerprint(folder), machine_name(torch.device(device)),
+             {k: str(v) for k, v in sorted(kwargs.items()) if k != "progress"}]
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def choice_path(folder: Path, kwargs: dict, extra: list[str] | None) -> Path:
+    return cache_root() / "draft-choice" / f"{folder.name}-{_key(folder, {**kwargs, 'candidates': extra})}.json"
+
+
+def _cached(path: Path, temperature: float | None) -> DraftChoice | None:
+    """The cached table, when it reads whole and every profile it used is still there."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("version") != CHOICE_VERSION:
+            return None
+        cands = [Candidate(**{**c, "predicted": {float(k): v for k, v in c["predicted"].items()},
+                              "plain": {float(k): v for k, v in c["plain"].items()},
+                              "trees": {float(k): v for k, v in c["trees"].items()}}) for c in data["candidates"]]
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return None
+    if any(c.profile and not Path(c.profile).exists() for c in cands):
+        return None
+    return _pick(cands, temperature)
+
+
+def _pick(cands: list[Candidate], temperature: float | None) -> DraftChoice:
+    """The candidate predicted fastest (ties: the earlier); a draft whose best tree is plain
+    decoding at every temperature would only hold memory: `none` stands for it."""
+    useful = [c for c in cands if not c.dropped and (c.name == "none" or any(v != "plain" for v in c.trees.values()))]
+    best = min(useful, key=lambda c: c.score(temperature), default=None)
+    if best is None or not math.isfinite(best.score(temperature)):
+        best = next(c for c in cands if c.name == "none")
+    return DraftChoice(cands, best.name, temperature)
+
+
+def choose_draft(target, load_kwargs: dict, temperature: float | None = None, extra: list[str] | None = None,
+                 progress: bool = True, force: bool = False) -> DraftChoice:
+    """The table of candidates and the one to load (see the module's docstring). `load_kwargs`:
+    Engine.load's placement and tree flags (device, dtype, offload, vram, ram, buffers, weights,
+    max_context, draft_group_size, cache_slots, tree_budget, tree_depth, verify_reads)."""
+    from ..engine import Engine, plan_only, resolve_target
+    from .profiler import profile_path
+    folder = resolve_target(target, progress)
+    embedded = target is None or str(target) == "default"
+    path = choice_path(folder, load_kwargs, extra)
+    if not force and path.exists():
+        found = _cached(path, temperature)
+        if found is not None:
+            return found
+    plan_keys = ("device", "dtype", "max_context", "offload", "vram", "ram", "buffers", "draft_group_size",
+                 "cache_slots", "weights")
+    cands = []
+    for name in candidate_names(folder, embedded, extra):
+        c = Candidate(name)
+        cands.append(c)
+        if name == "suffix":
+            c.dropped = "its gain depends on repeated text, which no measurement predicts (--draft suffix)"
+            continue
+        if name == "none":
+            continue
+        try:
+            plan_only(folder, draft=name, **{k: load_kwargs[k] for k in plan_keys if k in load_kwargs})
+        except UserError as e:
+            c.dropped = str(e).replace("\n", " ")
+            continue
+        if progress:
+            print(f"sequoia-offload: draft auto: evaluating --draft {name}", file=sys.stderr)
+        try:
+            engine = Engine.load(folder, draft=name, tree="auto", adapt=False, progress=progress, **load_kwargs)
+        except UserError as e:
+            c.dropped = str(e).replace("\n", " ")
+            continue
+        try:
+            for t, plan in engine.auto_plans.items():
+                c.predicted[t] = plan.choice.seconds_per_token
+                c.plain[t] = plan.plain_seconds_per_token
+                c.trees[t] = "plain" if plan.choice.budget == 1 else f"({plan.choice.budget},{plan.choice.depth})"
+            c.profile = str(profile_path(engine))
+        finally:
+            engine.close()
+    none = next(c for c in cands if c.name == "none")
+    plains = [c.plain for c in cands if c.plain]
+    if plains:  # plain streamed decoding: the profiles' own prediction (the same pass for every draft)
+        none.predicted = {t: min(p[t] for p in plains if t in p) for t in plains[0]}
+        none.plain, none.trees = dict(none.predicted), {t: "plain" for t in none.predicted}
+    choice = _pick(cands, temperature)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, choice.to_json())
+    return choice

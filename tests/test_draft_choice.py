@@ -1,0 +1,136 @@
+"""`--draft auto` (planning/draft_choice.py): the candidates at hand (self-drafts, a same-tokenizer
+model beside the target, the named ones, none), the ones the memory budget cannot hold dropped
+with the planner's reason, each other one predicted by its own profile and acceptance vectors
+through `--tree auto`'s optimizer, the fastest loaded; the table cached while its profiles are;
+`plan --draft auto` prints it; greedy output with the chosen draft equals plain decoding.
+
+The profiles are fakes with known level times (one per candidate, so that the fastest is known
+without timing a noisy machine) and the vectors a fixed one: what is under test is the choice,
+not the measurements (tests/test_auto_tree.py and test_optimizer.py test those)."""
+
+import pytest
+
+from offload_engine import Engine
+from offload_engine.apps.cli import main
+from offload_engine.planning import draft_choice, profiler
+from offload_engine.planning.hw_profile import MeasuredProfile
+from offload_engine.speculation import measure
+from sequoia_trees.acceptance import AcceptanceVector
+from tiny_models import greedy_past_eos, make_tiny_checkpoint
+
+# per candidate, a draft level's seconds: self-q4 the cheapest, the sibling model dearest but one
+LEVEL_S = {"self-q8": 0.02, "self-q4": 0.005, "self-int8": 0.03, "self-int4": 0.01}
+SIBLING_LEVEL_S = 0.04
+PASS_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("choice")
+    target = make_tiny_checkpoint(root / "target", "llama3-gqa", layers=8, seed=3, init_std=0.05)
+    small = make_tiny_checkpoint(root / "small", "llama3-gqa", layers=1, seed=4, init_std=0.05)
+    make_tiny_checkpoint(root / "twin", "llama3-gqa", layers=8, seed=5)  # as large as the target: not a draft
+    return target, small
+
+
+def _fake_profile(engine, level_s: float) -> MeasuredProfile:
+    ns, ws = (1, 16, 64, 128), (1, 8, 64)
+    return MeasuredProfile(machine="test", device="cpu", dtype="float32", target=str(engine.folder),
+                           target_fingerprint=engine.target_fingerprint, draft_key=engine.draft_key, plan={},
+                           stream_source="none", stream_gb_per_s=0.0, prefix_tokens=128, target_tokens=ns,
+                           target_pass_s=tuple(PASS_S for _ in ns), draft_widths=ws,
+                           draft_level_s=tuple(level_s for _ in ws), step_residual_s=0.0,
+                           draft_level_greedy_s=tuple(level_s for _ in ws), step_residual_greedy_s=0.0,
+                           measured_at="now", measure_s=0.0)
+
+
+@pytest.fixture
+def fakes(folders, tmp_path, monkeypatch):
+    """Each candidate's profile from LEVEL_S; a fixed vector for every pair; the candidates
+    each evaluation loaded, in order."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _, small = folders
+    loaded = []
+
+    def fake_measure(engine, *a, **k):
+        key = str(engine.draft_key)
+        loaded.append(key)
+        level = next((v for name, v in LEVEL_S.items() if key.startswith(name)), SIBLING_LEVEL_S)
+        return _fake_profile(engine, level)
+    monkeypatch.setattr(profiler, "measure", fake_measure)
+    vector = AcceptanceVector((0.6, 0.1, 0.05))
+    monkeypatch.setattr(measure, "vectors_for", lambda engine, progress: {0.0: (vector, tmp_path / "v0.json"),
+                                                                          0.6: (vector, tmp_path / "v6.json")})
+    return loaded
+
+
+def test_the_fastest_predicted_candidate_is_loaded_and_decodes_exactly(folders, fakes):
+    target, small = folders
+    result, engine = greedy_past_eos(target, "Hello", 24, draft="auto", offload="disk")
+    choice = engine.draft_choice
+    names = [c.name for c in choice.candidates]
+    # the self-drafts, the small model beside the target (not its equal-sized twin), suffix, none
+    assert names == ["self-q8", "self-q4", "self-int8", "self-int4", str(small), "suffix", "none"]
+    assert choice.chosen == "self-q4" and engine.draft_key.startswith("self-q4")
+    by = {c.name: c for c in choice.candidates}
+    # the predictions order as the level times do (same pass, same vector)
+    order = sorted((n for n in LEVEL_S), key=LEVEL_S.get)
+    assert sorted(order, key=lambda n: by[n].score(None)) == order
+    assert by[str(small)].score(None) > by["self-int8"].score(None)
+    assert by["suffix"].dropped and not by["none"].dropped
+    assert by["none"].score(None) == pytest.approx(PASS_S, rel=0.01)  # plain decoding: a pass a token
+    assert "draft auto: self-q4, tree (" in choice.summary(0.0) and "| **chosen** |" in choice.table()
+    assert result.token_ids == greedy_past_eos(target, "Hello", 24)[0].token_ids
+
+
+def test_the_table_is_cached_while_its_profiles_are(folders, fakes):
+    target, _ = folders
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    first = len(fakes)
+    assert first >= 5  # every candidate profiled once
+    again = Engine.load(target, draft="auto", offload="disk", progress=False)
+    again.close()
+    assert len(fakes) == first and again.draft_choice.chosen == "self-q4"  # nothing evaluated again
+    cached = draft_choice.choice_path(again.folder, dict(device=None, dtype=None, max_context=None, offload="disk",
+                                                         vram=None, ram=None, buffers=None, weights="auto",
+                                                         draft_group_size=64, cache_slots=1, tree_budget=None,
+                                                         tree_depth=None, verify_reads=False,
+                                                         max_batch_tokens=1024), None)
+    assert cached.exists()
+    profile = next(c.profile for c in again.draft_choice.candidates if c.name == "self-q4")
+    __import__("os").remove(profile)  # a profile gone (measured again later): the choice is made again
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    assert len(fakes) > first
+
+
+def test_a_candidate_the_budget_cannot_hold_is_dropped_with_the_planners_reason(folders, fakes, tmp_path):
+    target, _ = folders
+    from offload_engine.engine import plan_only
+    plan, *_ = plan_only(target, device="cpu", draft="self-q4", offload="disk", vram=1 << 40)
+    # room for self-q4's substitutes, not for self-int8's whole copy and its cache
+    vram = sum(plan.fixed_bytes.values()) + 4096
+    choice = draft_choice.choose_draft(target, dict(offload="disk", vram=vram), progress=False)
+    by = {c.name: c for c in choice.candidates}
+    assert "too small" in by["self-int8"].dropped and by["self-int8"].score(None) == float("inf")
+    assert not by["self-q4"].dropped and choice.chosen == "self-q4"
+
+
+def test_when_no_draft_pays_none_is_chosen(folders, fakes, monkeypatch):
+    target, _ = folders
+    monkeypatch.setitem(LEVEL_S, "self-q4", 5.0)
+    for name in ("self-q8", "self-int8", "self-int4"):
+        monkeypatch.setitem(LEVEL_S, name, 5.0)
+    monkeypatch.setattr(__import__("test_draft_choice"), "SIBLING_LEVEL_S", 5.0)
+    result, engine = greedy_past_eos(target, "Hello", 12, draft="auto", offload="disk")
+    assert engine.draft_choice.chosen == "none" and engine.draft is None
+    assert engine.draft_choice.summary(0.0).startswith("draft auto: none")
+
+
+def test_plan_draft_auto_prints_the_table_and_named_candidates_join(folders, fakes, capsys):
+    target, small = folders
+    assert main(["plan", "--target", str(target), "--device", "cpu", "--offload", "disk", "--draft", "auto",
+                 "--draft-candidates", f"{small},/nowhere/model"]) == 0
+    out = capsys.readouterr().out
+    assert "| self-q4 |" in out and "**chosen**" in out and "draft auto: self-q4" in out
+    assert "| /nowhere/model | - | - | - | dropped: --draft /nowhere/model: not a checkpoint folder" in out
+    assert out.count(f"| {small} |") == 1  # named and found beside the target: once
