@@ -373,7 +373,8 @@ class Engine:
             ckpt.close()
         stored, target_fp, dkey = {}, None, None
         if draft_model is not None:
-            target_fp, dkey = fingerprint(s.folder), draft_key(draft, s.draft_folder, draft_group_size)
+            target_fp, dkey = fingerprint(s.folder), draft_key(draft, s.draft_folder, draft_group_size,
+                                                               len(s.plan.resident_layers))
             if tree == "sequoia" and acceptance is None:
                 stored = _usable_vectors(stored_vectors(target_fp, dkey), spec)
         engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, widest),

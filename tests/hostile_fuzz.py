@@ -144,7 +144,7 @@ def load_ollama(manifest: Path) -> None:
     ollama_blob(manifest, "ollama:tiny", root)
 
 
-GENERATE = ["generate", "--target", "{input}", "--prompt", "hi", "--max-new-tokens", "1", "--tree", "none",
+GENERATE = ["generate", "--target", "{input}", "--draft", "none", "--prompt", "hi", "--max-new-tokens", "1", "--tree", "none",
             "--offload", "none"]
 
 

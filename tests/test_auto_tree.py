@@ -137,7 +137,32 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
         with pytest.raises(UserError, match=message):
             load_measured(out)
     # a damaged cached profile is measured again (with a warning), not a crash
-    cached = next((tmp_path / "cache" / "sequoia-offload" / "profiles").glob("*.json"))
+    cached = next(p for p in (tmp_path / "cache" / "sequoia-offload" / "profiles").glob("*.json")
+                  if "-target-" not in p.name)
     cached.write_text("{not json")
     assert main(args) == 0
     assert "measured:" in capsys.readouterr().out
+
+
+def test_a_second_draft_on_the_same_target_and_plan_reuses_the_targets_part(pair, tmp_path, monkeypatch):
+    """The target's passes (and their waits, and the bandwidth) are the same whatever the draft:
+    profiling a second draft on the same target, plan and machine times only its levels and
+    steps (what `--draft auto` does once per candidate); `profile --force` measures all again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    base = ["profile", "--target", str(pair), "--device", "cpu", "--offload", "disk", "--budget-s", "10"]
+    assert main([*base, "--draft", "self-int8", "--out", str(tmp_path / "a.json")]) == 0
+    first = load_measured(tmp_path / "a.json")
+    monkeypatch.setattr(profiler, "disk_read_gbps", lambda *a: pytest.fail("the target's part measured again"))
+    assert main([*base, "--draft", "self-int4", "--draft-group-size", "32", "--out", str(tmp_path / "b.json")]) == 0
+    second = load_measured(tmp_path / "b.json")
+    assert second.draft_key != first.draft_key and second.fit_budgets
+    assert (second.target_tokens, second.target_pass_s, second.stream_gb_per_s) == \
+        (first.target_tokens, first.target_pass_s, first.stream_gb_per_s)
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    measured = []
+    real = profiler.disk_read_gbps
+    monkeypatch.setattr(profiler, "disk_read_gbps", lambda *a: measured.append(1) or real(*a))
+    assert main([*base, "--draft", "self-int4", "--draft-group-size", "32", "--force",
+                 "--out", str(tmp_path / "c.json")]) == 0
+    assert measured  # --force: the target's part too

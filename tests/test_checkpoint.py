@@ -56,7 +56,7 @@ def _assert_clean_error(code, err, *must_name):
 
 
 def _generate(capsys, folder):
-    return _run_cli(capsys, "generate", "--target", str(folder), "--prompt", "hi", "--max-new-tokens", "2")
+    return _run_cli(capsys, "generate", "--target", str(folder), "--draft", "none", "--prompt", "hi", "--max-new-tokens", "2")
 
 
 def test_missing_folder(capsys, tmp_path):
@@ -197,7 +197,7 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("flags,words", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
 def test_bad_flags(capsys, tiny, flags, words):
-    code, err = _run_cli(capsys, "generate", "--target", str(tiny), "--prompt", "hi", *flags)
+    code, err = _run_cli(capsys, "generate", "--target", str(tiny), "--draft", "none", "--prompt", "hi", *flags)
     _assert_clean_error(code, err, *words)
 
 
@@ -205,5 +205,5 @@ def test_chat_template_that_fails_at_render(capsys, tmp_path, tiny):
     folder = shutil.copytree(tiny, tmp_path / "m")
     _edit_json(folder, "tokenizer_config.json",
                lambda c: c.update(chat_template="{{ messages[0]['content'] + 1 }}"))
-    code, err = _run_cli(capsys, "generate", "--target", str(folder), "--prompt", "hi", "--chat")
+    code, err = _run_cli(capsys, "generate", "--target", str(folder), "--draft", "none", "--prompt", "hi", "--chat")
     _assert_clean_error(code, err, "chat template", "TypeError")

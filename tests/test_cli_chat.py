@@ -27,7 +27,7 @@ def test_chat_keeps_history_resets_and_reports_stats(folder, monkeypatch, capsys
         return result
 
     monkeypatch.setattr(Engine, "generate", spy)
-    assert main(["chat", "--target", str(folder), "--max-new-tokens", "6", "--system", "be brief"]) == 0
+    assert main(["chat", "--target", str(folder), "--draft", "none", "--max-new-tokens", "6", "--system", "be brief"]) == 0
     out = capsys.readouterr().out
     assert len(calls) == 3
     system = {"role": "system", "content": "be brief"}
@@ -46,13 +46,13 @@ def test_chat_ends_cleanly_at_end_of_input(folder, monkeypatch):
     def eof(prompt=""):
         raise EOFError
     monkeypatch.setattr("builtins.input", eof)
-    assert main(["chat", "--target", str(folder)]) == 0
+    assert main(["chat", "--target", str(folder), "--draft", "none"]) == 0
 
 
 def test_a_stats_line_follows_each_answer_and_later_turns_reuse_the_cache(folder, monkeypatch, capsys):
     lines = iter(["first question", "second question", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert main(["chat", "--target", str(folder), "--max-new-tokens", "6"]) == 0
+    assert main(["chat", "--target", str(folder), "--draft", "none", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     stats = [line for line in out.splitlines() if line.startswith("[") and "tokens/s" in line]
     assert len(stats) == 2 and all("token/step" in s or "tokens/step" in s for s in stats), stats
@@ -80,7 +80,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session_and_its_cache(folder, mon
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "generate", interrupted_first)
-    assert main(["chat", "--target", str(folder), "--max-new-tokens", "12"]) == 0
+    assert main(["chat", "--target", str(folder), "--draft", "none", "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert "(stopped)" in out and len(calls) == 2
     # the partial answer stays in the history, and the next turn builds on it

@@ -83,14 +83,19 @@ def test_the_fastest_predicted_candidate_is_loaded_and_decodes_exactly(folders, 
     assert result.token_ids == greedy_past_eos(target, "Hello", 24)[0].token_ids
 
 
-def test_the_table_is_cached_while_its_profiles_are(folders, fakes):
+def test_the_table_is_cached_while_its_profiles_are(folders, fakes, monkeypatch):
     target, _ = folders
+    from offload_engine import engine as engine_module
+    evaluated = []  # each candidate's plan, made when the candidates are evaluated
+    plan_only = engine_module.plan_only
+    monkeypatch.setattr(engine_module, "plan_only", lambda *a, **k: evaluated.append(k["draft"]) or plan_only(*a, **k))
     Engine.load(target, draft="auto", offload="disk", progress=False).close()
     first = len(fakes)
-    assert first >= 5  # every candidate profiled once
+    assert first >= 5 and len(evaluated) == 5  # every candidate planned and profiled once
     again = Engine.load(target, draft="auto", offload="disk", progress=False)
     again.close()
-    assert len(fakes) == first and again.draft_choice.chosen == "self-q4"  # nothing evaluated again
+    assert len(fakes) == first and len(evaluated) == 5  # nothing evaluated again
+    assert again.draft_choice.chosen == "self-q4"
     cached = draft_choice.choice_path(again.folder, dict(device=None, dtype=None, max_context=None, offload="disk",
                                                          vram=None, ram=None, buffers=None, weights="auto",
                                                          draft_group_size=64, cache_slots=1, tree_budget=None,
@@ -100,7 +105,7 @@ def test_the_table_is_cached_while_its_profiles_are(folders, fakes):
     profile = next(c.profile for c in again.draft_choice.candidates if c.name == "self-q4")
     __import__("os").remove(profile)  # a profile gone (measured again later): the choice is made again
     Engine.load(target, draft="auto", offload="disk", progress=False).close()
-    assert len(fakes) > first
+    assert len(evaluated) == 10 and len(fakes) == first + 1  # (only the missing profile measured again)
 
 
 def test_a_candidate_the_budget_cannot_hold_is_dropped_with_the_planners_reason(folders, fakes, tmp_path):

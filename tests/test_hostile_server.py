@@ -433,7 +433,7 @@ def test_server_memory_is_flat_over_2000_mixed_requests(tmp_path, report):
     """2,000 requests of every kind from 3 clients against one `serve` process: its RSS after
     2,000 within 10% of its RSS after 100."""
     folder = make_tiny_checkpoint(tmp_path / "m", "smollm-tied", init_std=0.2)
-    server = ServeProcess(["--target", str(folder), "--model-name", MODEL, "--max-queue", "2", "--max-body", "65536"],
+    server = ServeProcess(["--target", str(folder), "--draft", "none", "--model-name", MODEL, "--max-queue", "2", "--max-body", "65536"],
                           # one torch thread: the server's OpenMP threads spinning against the clients' threads
                           # on two cores made each answer 4x slower (83 against 18 ms per generating request)
                           env={"SEQUOIA_OFFLOAD_API_KEY": KEY, "OMP_NUM_THREADS": "1"}, log=tmp_path / "serve.log")

@@ -364,14 +364,14 @@ def test_bad_gguf_files_get_one_line_and_leave_nothing_trusted(meta, tmp_path, c
             expect = "bad.gguf"
     from offload_engine.apps.cli import main
     capsys.readouterr()
-    rc = main(["generate", "--target", str(path), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"])
+    rc = main(["generate", "--target", str(path), "--draft", "none", "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 2, err[-2000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sequoia-offload: error:") and expect in lines[0], lines
     assert _trusted(cache_home) == []
     # a second run finds nothing half-made to trust, and says the same
-    assert main(["generate", "--target", str(path), "--prompt", "hi", "--device", "cpu"]) == 2
+    assert main(["generate", "--target", str(path), "--draft", "none", "--prompt", "hi", "--device", "cpu"]) == 2
     assert expect in capsys.readouterr().err
 
 

@@ -68,7 +68,7 @@ class ServeProcess:
 
 def test_serve_binds_localhost_takes_the_key_from_the_environment_and_stops_on_ctrl_c(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "my-model", "smollm-tied", init_std=0.2)
-    server = ServeProcess(["--target", str(folder), "--max-queue", "3"], env={"SEQUOIA_OFFLOAD_API_KEY": "s3cret"})
+    server = ServeProcess(["--target", str(folder), "--draft", "none", "--max-queue", "3"], env={"SEQUOIA_OFFLOAD_API_KEY": "s3cret"})
     try:
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(server.url + "/v1/models", timeout=10)

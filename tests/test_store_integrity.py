@@ -365,7 +365,7 @@ def test_the_cli_prints_one_error_line_for_a_damaged_store(folder, tmp_path):
     _build(folder, cache / "sequoia-offload" / "stores")
     store, meta = _store_of(cache / "sequoia-offload" / "stores")
     _flip(store / "layers.bin", _block_offset(meta, 2) + 4096 * 3 + 5)
-    run = subprocess.run([sys.executable, "-m", "offload_engine.apps.cli", "generate", "--target", str(folder),
+    run = subprocess.run([sys.executable, "-m", "offload_engine.apps.cli", "generate", "--target", str(folder), "--draft", "none",
                           "--device", "cpu", "--offload", "disk", "--max-new-tokens", "3", "--prompt", PROMPT],
                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert run.returncode == 2, run.stderr

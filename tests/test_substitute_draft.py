@@ -192,16 +192,22 @@ def test_a_tree_grown_ahead_is_the_tree_the_next_step_would_grow(target, tmp_pat
         engine.close()
 
 
-def test_the_profile_measures_the_pass_waits_and_the_overlap_used(target, tmp_path, monkeypatch, slow_disk):
+def test_the_profile_measures_the_pass_waits_and_the_overlap_used(target, tmp_path, monkeypatch):
     """`profile` on a substitute draft whose passes wait for a slowed disk: each target width gets
-    its waits (every pass waits: 10 ms a layer), the real steps run in pairs of one shape so
+    its waits (every pass waits: 25 ms a layer), the real steps run in pairs of one shape so
     that the second can start from a tree the first grew ahead, and the share used is above 0
     (greedy: the int4 copy of the same weights agrees with the target, so the likeliest cases
     come) and at most 1. The step model then predicts less draft time before each pass."""
     from offload_engine.planning import profiler
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):  # 25 ms a layer: the passes wait whatever else the machine runs
+        time.sleep(0.025)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
     engine = Engine.load(target, draft="self-q4", draft_group_size=32, offload="disk", buffers=2, tree="sequoia",
-                         tree_budget=8, tree_depth=3, progress=False)
+                         tree_budget=8, tree_depth=3, max_batch_tokens=64, progress=False)
     try:
         assert engine.overlap
         prof = profiler.measure(engine, budget_s=8, progress=False)
@@ -209,7 +215,7 @@ def test_the_profile_measures_the_pass_waits_and_the_overlap_used(target, tmp_pa
         engine.close()
     assert len(prof.target_idle_s) == len(prof.target_tokens)
     assert all(0 < w <= t for w, t in zip(prof.target_idle_s, prof.target_pass_s)), prof.target_idle_s
-    assert prof.target_idle_s[0] > 0.01  # 6 of the 8 layers' waits, up to 10 ms each
+    assert prof.target_idle_s[0] > 0.03  # 6 of the 8 layers' waits, up to 25 ms each
     assert 0 < prof.overlap_use_greedy <= 1 and 0 <= prof.overlap_use <= 1
     t = prof.timings(greedy=True)
     work = t.draft_factor * sum(t.draft(w) for w in (1, 2, 4, 4))

@@ -111,7 +111,7 @@ def test_a_looping_template_is_one_error_line_from_the_cli(folder, tmp_path, fas
     copy = _with_template(folder, tmp_path, HOSTILE["nested loops"][0]).source
     capsys.readouterr()
     start = time.monotonic()
-    code = main(["generate", "--target", str(copy), "--prompt", "hi", "--chat", "--max-new-tokens", "2"])
+    code = main(["generate", "--target", str(copy), "--draft", "none", "--prompt", "hi", "--chat", "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("sequoia-offload: error:"), err
     assert str(copy) in err[0] and "ran longer than 1 s" in err[0]

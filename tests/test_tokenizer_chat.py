@@ -57,7 +57,7 @@ def test_chat_without_template_is_refused_cleanly(folder, tmp_path, capsys):
     del cfg["chat_template"]
     (copy / "tokenizer_config.json").write_text(json.dumps(cfg))
     capsys.readouterr()
-    code = main(["generate", "--target", str(copy), "--prompt", "hi", "--chat"])
+    code = main(["generate", "--target", str(copy), "--draft", "none", "--prompt", "hi", "--chat"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "no chat template" in err[0] and str(copy) in err[0]
@@ -65,7 +65,7 @@ def test_chat_without_template_is_refused_cleanly(folder, tmp_path, capsys):
 
 def test_generate_json_prints_one_object_and_nothing_else(folder, capsys):
     capsys.readouterr()
-    assert main(["generate", "--target", str(folder), "--prompt", "Hello", "--chat", "--max-new-tokens", "5",
+    assert main(["generate", "--target", str(folder), "--draft", "none", "--prompt", "Hello", "--chat", "--max-new-tokens", "5",
                  "--json"]) == 0
     out = capsys.readouterr().out
     obj = json.loads(out)

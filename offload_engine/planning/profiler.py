@@ -62,7 +62,7 @@ TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5  # 5: the pass waits and the overlap used (drafting while the target streams)
 # the real steps timed for the step model, most informative first (the time budget may cut the
 # list after the fourth); the plain step always runs last
 STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))
@@ -85,13 +85,36 @@ def machine_name(device: torch.device) -> str:
     return name
 
 
-def profile_key(engine) -> str:
+def profile_key(engine, draft: bool = True) -> str:
+    """The profile's cache key: the machine, device, dtype, the pair and the plan (without the
+    draft: the key of the target's part, which every draft on the same plan shares)."""
     plan = engine.plan
     ident = {"v": PROFILE_VERSION, "machine": machine_name(engine.model.device), "device": str(engine.model.device),
-             "dtype": str(engine.model.dtype), "target": engine.target_fingerprint, "draft": engine.draft_key,
+             "dtype": str(engine.model.dtype), "target": engine.target_fingerprint,
+             "draft": engine.draft_key if draft else None,
              "plan": [len(plan.resident_layers), len(plan.ram_layers), len(plan.disk_layers), plan.buffers,
                       plan.bytes_per_pass, plan.weights, plan.resident_format]}  # formats change the timings
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def target_part_path(engine) -> Path:
+    """Where the target's part of a profile (its passes by width, their waits, the stream's
+    bandwidth) is kept for the next draft profiled on the same target, plan and machine."""
+    return cache_root() / "profiles" / f"{engine.folder.name}-target-{profile_key(engine, draft=False)}.json"
+
+
+def _shared_target_part(engine) -> dict | None:
+    try:
+        data = json.loads(target_part_path(engine).read_text(encoding="utf-8"))
+        part = {k: data[k] for k in ("target_tokens", "target_pass_s", "target_idle_s", "stream_source",
+                                     "stream_gb_per_s")}
+        Timings(tuple(part["target_tokens"]), tuple(part["target_pass_s"]), (1,), (0.0,),
+                idle_seconds=tuple(part["target_idle_s"]))  # checked as the optimizer checks them
+        if not isinstance(part["stream_source"], str) or not part["stream_gb_per_s"] >= 0:
+            return None
+        return part
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return None  # none yet, or unreadable: measured again
 
 
 def profile_path(engine) -> Path:
@@ -107,9 +130,13 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
             return load_measured(path), path, False
         except UserError as e:
             print(f"sequoia-offload: warning: {e}; measuring again", file=sys.stderr)
-    prof = measure(engine, budget_s, progress)
+    prof = measure(engine, budget_s, progress, reuse_target=not force)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, prof.to_json())
+    atomic_write_text(target_part_path(engine), json.dumps({
+        "target_tokens": prof.target_tokens, "target_pass_s": prof.target_pass_s, "target_idle_s": prof.target_idle_s,
+        "stream_source": prof.stream_source, "stream_gb_per_s": prof.stream_gb_per_s,
+        "measured_at": prof.measured_at}, indent=2) + "\n")
     return prof, path, True
 
 
@@ -177,10 +204,16 @@ def _tree_inputs(n: int, past: int, device: torch.device, generator: torch.Gener
     return tokens, torch.arange(past, past + n, device=device), mask.to(device)
 
 
-def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -> MeasuredProfile:
+def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
+            reuse_target: bool = False) -> MeasuredProfile:
+    """The machine's profile for the engine's pair. `reuse_target`: take the target's part
+    (its passes, their waits, the bandwidth) from a profile of another draft on the same target,
+    plan and machine when one was measured (`target_part_path`), and time only the draft's
+    levels and the real steps."""
     if engine.draft is None:
         raise UserError("profiling needs a draft (--draft): it measures the draft's level time too")
     started = time.perf_counter()
+    shared = _shared_target_part(engine) if reuse_target else None
     device, target, draft = engine.model.device, engine.model, engine.draft
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(0.6, 1.0)  # the sampled path, the costlier of the two
@@ -188,62 +221,69 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -
     plan = engine.plan
     bar = tqdm(total=len(TARGET_WIDTHS) + len(DRAFT_WIDTHS) + 2, desc="profiling", unit="step",
                disable=None if progress else True)
-    # 1. streaming bandwidth
-    if plan.streamed_layers and device.type == "cuda":
-        try:
-            source, gbps = "h2d-pinned", h2d_gbps(min(plan.layer_bytes, 256 << 20), device)
-        except torch.cuda.OutOfMemoryError:
-            raise UserError("profile: no room on the device for a bandwidth test buffer "
-                            f"({fmt_bytes(min(plan.layer_bytes, 256 << 20))}); lower --vram") from None
-    elif plan.disk_layers:
-        source, gbps = "o_direct-read", disk_read_gbps(engine)
-    else:
-        source, gbps = "none", 0.0
-    bar.update(1)
-    # 2. the target: a prefix, then passes of n new tokens over it (scratch slots, never committed)
     prefix = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g)
-    cache = target.new_cache(PREFIX_TOKENS + max_n)
-    target.forward(prefix.to(device), torch.arange(PREFIX_TOKENS, device=device), cache, logits_rows=slice(0, 0))
-    cache.advance(PREFIX_TOKENS)
-
-    executor = target.layers if plan.streamed_layers and hasattr(target.layers, "snapshot") else None
-    idles: dict[int, list[float]] = {}  # per width: each timed pass's waits for streamed layers
-
-    def target_pass(n):
-        tokens, positions, mask = _tree_inputs(n, PREFIX_TOKENS, device, g, engine.config.vocab_size)
-
-        def run():
-            before = executor.snapshot().idle_window_seconds if executor is not None else 0.0
-            target.forward(tokens, positions, cache, mask=mask).cpu()
-            if executor is not None:
-                idles.setdefault(n, []).append(executor.snapshot().idle_window_seconds - before)
-        return run
-
-    _timed(target_pass(1), device)  # warm-up: first-touch allocations, kernel selection
-    idles.clear()
-    # the narrowest and the widest pass first, then the widths between (the most informative
-    # first), so that a budget spent early still spans the whole range (the optimizer only
-    # searches measured widths, interpolating between them); a pass under 0.5 s is the median
-    # of three, the same rule for every width
     widths = [n for n in TARGET_WIDTHS if n <= engine.max_batch_tokens]
-    order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 64, 256, 768, 32) if n in widths[1:-1]]
-    target_budget = budget_s * 0.5
-    measured: dict[int, float] = {}
-    passes = {}
-    for n in order:
-        if len(measured) >= 2 and time.perf_counter() - started > target_budget:
-            break
-        passes[n] = target_pass(n)
-        measured[n] = _timed(passes[n], device)
+    executor = target.layers if plan.streamed_layers and hasattr(target.layers, "snapshot") else None
+    if shared is not None:  # another draft's profile on this target, plan and machine measured it
+        source, gbps = shared["stream_source"], float(shared["stream_gb_per_s"])
+        ns = [n for n in shared["target_tokens"] if n <= engine.max_batch_tokens]
+        ts = list(shared["target_pass_s"][:len(ns)])
+        idle_s = tuple(shared["target_idle_s"][:len(ns)])
+        bar.update(1 + len(TARGET_WIDTHS))
+    else:
+        # 1. streaming bandwidth
+        if plan.streamed_layers and device.type == "cuda":
+            try:
+                source, gbps = "h2d-pinned", h2d_gbps(min(plan.layer_bytes, 256 << 20), device)
+            except torch.cuda.OutOfMemoryError:
+                raise UserError("profile: no room on the device for a bandwidth test buffer "
+                                f"({fmt_bytes(min(plan.layer_bytes, 256 << 20))}); lower --vram") from None
+        elif plan.disk_layers:
+            source, gbps = "o_direct-read", disk_read_gbps(engine)
+        else:
+            source, gbps = "none", 0.0
         bar.update(1)
-    measured = _rounds(passes, measured, device)
-    ns, ts = sorted(measured), [measured[n] for n in sorted(measured)]
-    # the waits of the same passes (the median, never more than the pass's own median)
-    idle_s = tuple(min(statistics.median(idles[n]), t) for n, t in zip(ns, ts)) if executor is not None else ()
-    if ns[-1] < widths[-1]:
-        print(f"sequoia-offload: warning: the profile's time budget ({budget_s:g} s) ran out before a "
-              f"{widths[-1]}-token pass; trees above {ns[-1]} nodes will not be considered "
-              "(profile --force --budget-s S measures again)", file=sys.stderr)
+        # 2. the target: a prefix, then passes of n new tokens over it (scratch slots, never committed)
+        cache = target.new_cache(PREFIX_TOKENS + max_n)
+        target.forward(prefix.to(device), torch.arange(PREFIX_TOKENS, device=device), cache, logits_rows=slice(0, 0))
+        cache.advance(PREFIX_TOKENS)
+
+        idles: dict[int, list[float]] = {}  # per width: each timed pass's waits for streamed layers
+
+        def target_pass(n):
+            tokens, positions, mask = _tree_inputs(n, PREFIX_TOKENS, device, g, engine.config.vocab_size)
+
+            def run():
+                before = executor.snapshot().idle_window_seconds if executor is not None else 0.0
+                target.forward(tokens, positions, cache, mask=mask).cpu()
+                if executor is not None:
+                    idles.setdefault(n, []).append(executor.snapshot().idle_window_seconds - before)
+            return run
+
+        _timed(target_pass(1), device)  # warm-up: first-touch allocations, kernel selection
+        idles.clear()
+        # the narrowest and the widest pass first, then the widths between (the most informative
+        # first), so that a budget spent early still spans the whole range (the optimizer only
+        # searches measured widths, interpolating between them); a pass under 0.5 s is the median
+        # of three, the same rule for every width
+        order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 64, 256, 768, 32) if n in widths[1:-1]]
+        target_budget = budget_s * 0.5
+        measured: dict[int, float] = {}
+        passes = {}
+        for n in order:
+            if len(measured) >= 2 and time.perf_counter() - started > target_budget:
+                break
+            passes[n] = target_pass(n)
+            measured[n] = _timed(passes[n], device)
+            bar.update(1)
+        measured = _rounds(passes, measured, device)
+        ns, ts = sorted(measured), [measured[n] for n in sorted(measured)]
+        # the waits of the same passes (the median, never more than the pass's own median)
+        idle_s = tuple(min(statistics.median(idles[n]), t) for n, t in zip(ns, ts)) if executor is not None else ()
+        if ns[-1] < widths[-1]:
+            print(f"sequoia-offload: warning: the profile's time budget ({budget_s:g} s) ran out before a "
+                  f"{widths[-1]}-token pass; trees above {ns[-1]} nodes will not be considered "
+                  "(profile --force --budget-s S measures again)", file=sys.stderr)
     # 3. the draft: one level of w nodes: forward, probabilities, two children drawn for each
     dcache = draft.new_cache(PREFIX_TOKENS + max(DRAFT_WIDTHS) + 1)
     draft.forward(prefix.to(draft.device), torch.arange(PREFIX_TOKENS, device=draft.device), dcache,

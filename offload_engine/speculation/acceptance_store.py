@@ -23,15 +23,19 @@ from sequoia_trees.acceptance import AcceptanceVector
 from ..errors import UserError
 from ..formats.checkpoint import fingerprint
 from ..fsutil import INSTALL_ROOT, cache_root
-from .drafts import self_draft_scheme
+from .drafts import is_substitute_draft, self_draft_scheme
 
 STORE_DIR = INSTALL_ROOT / "hw_profiles" / "acceptance"
 
 
-def draft_key(draft: str | Path, draft_folder: Path | None, group_size: int) -> str | None:
+def draft_key(draft: str | Path, draft_folder: Path | None, group_size: int, resident: int = 0) -> str | None:
+    """The draft's name in the vectors' and profiles' keys. A substitute self-draft is another
+    draft with each layer the plan keeps resident (the target's own, where the copy would be
+    quantised): `resident` of them adds -r<resident> (self-q8-r12); none keeps the plain name."""
     scheme = self_draft_scheme(draft)
-    if scheme is not None:  # self-int8, self-int4-g64, self-q8, self-q4-g64
-        return str(draft) + (f"-g{group_size}" if scheme == "int4" else "")
+    if scheme is not None:  # self-int8, self-int4-g64, self-q8, self-q4-g64, self-q8-r12
+        return (str(draft) + (f"-g{group_size}" if scheme == "int4" else "")
+                + (f"-r{resident}" if resident and is_substitute_draft(draft) else ""))
     fp = fingerprint(draft_folder)
     return "model:" + fp if fp is not None else None
 
