@@ -84,6 +84,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="only plain-streamed and each draft (default, self-int8, self-int4, self-q8, self-q4, "
                         "the last two also without overlap) at the fixed tree --study-tree, with each step's "
                         "time split")
+    p.add_argument("--draft-auto-study", action="store_true",
+                   help="only plain-streamed, each candidate draft with --tree auto (default, self-int8, self-int4, "
+                        "self-q8, self-q4) and --draft auto, and a best-single row (computed: the fastest of those "
+                        "candidates and plain in hindsight)")
     p.add_argument("--study-tree", default="16,6", help="the fixed Sequoia tree N,D of --draft-study (default 16,6)")
     p.add_argument("--weights", default="auto",
                    help="the format the target's streamed layers are stored in (as --weights of generate; "
@@ -145,6 +149,15 @@ def _draft_modes(n: int, d: int) -> list[dict]:
             + [{"mode": name, "draft_name": name, **fixed} for name in ("default", "self-int8", "self-int4")]
             + [{"mode": name + tail, "draft_name": name, "overlap": overlap, **fixed}
                for name in ("self-q8", "self-q4") for tail, overlap in (("", "on"), ("-no-overlap", "off"))])
+
+
+DRAFT_CANDIDATES = ("default", "self-int8", "self-int4", "self-q8", "self-q4")
+
+
+def _draft_auto_modes() -> list[dict]:
+    return ([{"mode": "plain-streamed", "kind": "none", "draft": False}]
+            + [{"mode": f"{name}-auto", "kind": "auto", "draft_name": name} for name in DRAFT_CANDIDATES]
+            + [{"mode": "draft-auto", "kind": "auto", "draft_name": "auto"}])
 
 
 def _load(args, m: dict):
@@ -238,13 +251,15 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     rows, plain_ids = [], {}
     hindsight = [tuple(int(x) for x in t.split(",")) for t in args.hindsight.split()]
-    if sum(map(bool, (args.auto_study, args.suffix_study, args.draft_study))) > 1:
+    draft_auto = getattr(args, "draft_auto_study", False)
+    if sum(map(bool, (args.auto_study, args.suffix_study, args.draft_study, draft_auto))) > 1:
         from offload_engine.errors import UserError
-        raise UserError("--auto-study, --suffix-study and --draft-study are separate runs: give one")
+        raise UserError("--auto-study, --suffix-study, --draft-study and --draft-auto-study are separate runs: "
+                        "give one")
     suffix_tree = tuple(int(x) for x in args.suffix_tree.split(","))
     modes = (_study_modes(hindsight) if args.auto_study else _suffix_modes(*suffix_tree) if args.suffix_study
              else _draft_modes(*(int(x) for x in args.study_tree.split(","))) if args.draft_study
-             else _modes(budgets))
+             else _draft_auto_modes() if draft_auto else _modes(budgets))
     if args.modes:  # a subset (the baseline always runs: every ratio is against it)
         from offload_engine.errors import UserError
         wanted = {m.strip() for m in args.modes.split(",") if m.strip()}
@@ -306,6 +321,11 @@ def run(args: argparse.Namespace) -> dict:
                  and r["mode"] != "plain-resident" and "suffix_accepted_tokens" not in r]  # (model trees only)
         best = min(fixed, key=lambda r: r["seconds_per_token"])
         rows.append({**best, "mode": "best-fixed", "best_fixed_mode": best["mode"]})
+    if draft_auto:  # the best single draft in hindsight: a candidate (with --tree auto) or none
+        for t in temps:
+            single = [r for r in rows if r["temperature"] == t and r["mode"] not in ("draft-auto", "best-fixed")]
+            best = min(single, key=lambda r: r["seconds_per_token"])
+            rows.append({**best, "mode": "best-single", "best_fixed_mode": best["mode"]})
     for row in rows:  # computed from the tokens, after the baseline has run
         base = next(r for r in rows if r["mode"] == "plain-streamed" and r["temperature"] == row["temperature"])
         row["speedup_vs_plain_streamed"] = base["seconds_per_token"] / row["seconds_per_token"]
@@ -314,6 +334,9 @@ def run(args: argparse.Namespace) -> dict:
         if row["kind"] == "auto":
             best = next(r for r in rows if r["mode"] == "best-fixed" and r["temperature"] == row["temperature"])
             row["vs_best_fixed"] = best["seconds_per_token"] / row["seconds_per_token"]
+        if row["mode"] == "draft-auto":
+            best = next(r for r in rows if r["mode"] == "best-single" and r["temperature"] == row["temperature"])
+            row["vs_best_single"] = best["seconds_per_token"] / row["seconds_per_token"]
     peer = None
     if not args.no_peer and 0.0 in temps:
         engine = _load(args, {"mode": "plain-streamed", "kind": "none", "draft": False})
@@ -330,7 +353,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"setting": {"target": args.target, "draft": args.draft, "offload": args.offload, "device": args.device,
                         "weights": getattr(args, "weights", "auto"),
                         "study": "draft" if args.draft_study else "suffix" if args.suffix_study else
-                                 "auto" if args.auto_study else None,
+                                 "auto" if args.auto_study else "draft-auto" if draft_auto else None,
                         "prompts": len(prompts), "prompts_file": str(args.prompts),
                         "max_new_tokens": args.max_new_tokens, "temperatures": temps,
                         "budgets": budgets}, "rows": rows, "peer": peer,
@@ -364,7 +387,9 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         eq = "-" if r["equal_to_plain"] is None else ("yes" if r["equal_to_plain"] else "**NO**")
         mode = r["mode"] + (f" ({r['best_fixed_mode']})" if "best_fixed_mode" in r else "")
-        if "vs_best_fixed" in r:
+        if "vs_best_single" in r:
+            mode += f": {r['vs_best_single']:.2f}x the best single draft; {r['trees']}"
+        elif "vs_best_fixed" in r:
             mode += f": {r['vs_best_fixed']:.2f}x best fixed; {r['trees']}"
         if "suffix_accepted_tokens" in r:
             mode += f" ({r['suffix_accepted_tokens']} tokens from suffix drafts"
@@ -372,7 +397,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {mode} | {r['temperature']:g} | {r['budget']}, {r['depth']} | {r['tokens_per_step']:.2f} | "
                      f"{r['seconds_per_token']:.4f} | {r['speedup_vs_plain_streamed']:.2f}x | {r['target_passes']} | "
                      f"{r['bytes_streamed_per_token'] / 1e6:.1f} | {eq} |")
-    split = [r for r in res["rows"] if "split_ms_per_step" in r and r["mode"] != "best-fixed"]
+    split = [r for r in res["rows"] if "split_ms_per_step" in r and r["mode"] not in ("best-fixed", "best-single")]
     if split:  # where each step's time went
         lines += ["", "| mode | T | draft before the pass (ms/step) | draft overlapped (in the pass) | pass (without it) "
                       "| rest | next tree grown ahead and used |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -401,11 +426,13 @@ def plots(res: dict, folder: Path) -> list[Path]:
         return [_mode_bars(res, folder, plt, "suffix_study.png")]
     if res["setting"].get("study") == "draft":
         return [_mode_bars(res, folder, plt, "draft_study.png")]
+    if res["setting"].get("study") == "draft-auto":
+        return [_mode_bars(res, folder, plt, "draft_auto_study.png")]
     for key, label, name in (("tokens_per_step", "tokens per step", "tokens_per_step.png"),
                              ("speedup_vs_plain_streamed", "speed-up over plain streamed decoding", "speedup.png")):
         fig, axes = plt.subplots(1, len(res["setting"]["temperatures"]), figsize=(11, 4), squeeze=False)
         for ax, t in zip(axes[0], res["setting"]["temperatures"]):
-            rows = [r for r in res["rows"] if r["temperature"] == t and r["mode"] != "best-fixed"]
+            rows = [r for r in res["rows"] if r["temperature"] == t and r["mode"] not in ("best-fixed", "best-single")]
             for kind in ("sequoia", "specexec", "specinfer", "chain"):
                 pts = sorted((r["budget"], r[key]) for r in rows if r["kind"] == kind)
                 if pts:
@@ -431,7 +458,7 @@ def plots(res: dict, folder: Path) -> list[Path]:
 def _mode_bars(res: dict, folder: Path, plt, name: str) -> Path:
     """--suffix-study, --draft-study: tokens/step and speed-up per mode, bars side by side per temperature."""
     temps = res["setting"]["temperatures"]
-    modes = [r["mode"] for r in res["rows"] if r["temperature"] == temps[0] and r["mode"] != "best-fixed"]
+    modes = [r["mode"] for r in res["rows"] if r["temperature"] == temps[0] and r["mode"] not in ("best-fixed", "best-single")]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, key, label in ((axes[0], "tokens_per_step", "tokens per step"),
                            (axes[1], "speedup_vs_plain_streamed", "speed-up over plain streamed decoding")):

@@ -76,6 +76,28 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
     assert "best fixed" in capsys.readouterr().out
 
 
+def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pair, tmp_path, monkeypatch, capsys):
+    """--draft-auto-study: plain, each candidate with --tree auto, --draft auto, and the best
+    single draft in hindsight (computed); the tiny target has no committed default draft, so
+    the candidates here are the self-drafts."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", _fast_profile)
+    monkeypatch.setattr(latency, "DRAFT_CANDIDATES", ("self-int8", "self-q8"))
+    assert main(_args(pair, tmp_path, "--draft-auto-study", "--no-peer")) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"plain-streamed", "self-int8-auto", "self-q8-auto", "draft-auto",
+                                         "best-single", "best-fixed"}
+    for t in (0.0, 0.6):
+        at = {r["mode"]: r for r in rows if r["temperature"] == t}
+        single = min((at[m] for m in ("plain-streamed", "self-int8-auto", "self-q8-auto")),
+                     key=lambda r: r["seconds_per_token"])
+        assert at["best-single"]["best_fixed_mode"] == single["mode"]
+        r = at["draft-auto"]
+        assert r["vs_best_single"] == pytest.approx(single["seconds_per_token"] / r["seconds_per_token"])
+        assert r["equal_to_plain"] is (True if t == 0 else None)
+    assert "the best single draft" in capsys.readouterr().out
+
+
 def test_suffix_study_rows_and_their_plot(pair, tmp_path, monkeypatch):
     """--suffix-study: plain, suffix, the model draft and the hybrid (auto and a fixed tree), with
     the suffix drafts' accepted tokens counted and the (T=0) tokens equal to plain decoding's."""
