@@ -30,7 +30,7 @@ from .runtime.blocks import parse_weights
 from .runtime.layer_store import StoreLayout, store_layout
 from .runtime.loader import OffloadOptions, load_target, make_placement
 from .runtime.model import Transformer
-from .runtime.placement import PlacementPlan, kv_cache_bytes, largest_matrix_bytes, model_bytes
+from .runtime.placement import PlacementPlan, default_budgets, kv_cache_bytes, largest_matrix_bytes, model_bytes
 from .runtime.quant import DEFAULT_GROUP_SIZE
 from .speculation.acceptance_store import draft_key, nearest, stored_vectors
 from .speculation.decoder import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
@@ -320,13 +320,23 @@ class Engine:
             kwargs = dict(device=device, dtype=dtype, max_context=max_context, offload=offload, vram=vram, ram=ram,
                           buffers=buffers, weights=weights, draft_group_size=draft_group_size,
                           cache_slots=cache_slots, tree_budget=tree_budget, tree_depth=tree_depth,
-                          verify_reads=verify_reads, max_batch_tokens=max_batch_tokens)
-            choice = choose_draft(target, kwargs, draft_temperature, draft_candidates, progress)
-            if progress:
-                print(f"sequoia-offload: {choice.summary()}", file=sys.stderr)
-            engine = cls.load(target, draft=None if choice.chosen == "none" else choice.chosen, tree=tree,
-                              specinfer_width=specinfer_width, acceptance=acceptance, adapt=adapt,
-                              suffix_memory=suffix_memory, overlap=overlap, progress=progress, **kwargs)
+                          verify_reads=verify_reads, max_batch_tokens=max_batch_tokens, overlap=overlap)
+            free_vram, free_ram = default_budgets(resolve_device(device))  # once, for every candidate alike
+            budgets = {"vram": free_vram if vram is None else vram, "ram": free_ram if ram is None else ram}
+            for again in (False, True):
+                choice = choose_draft(target, kwargs, draft_temperature, draft_candidates, progress, force=again,
+                                      budgets=budgets)
+                if progress:
+                    print(f"sequoia-offload: {choice.summary()}", file=sys.stderr)
+                try:
+                    engine = cls.load(target, draft=None if choice.chosen == "none" else choice.chosen, tree=tree,
+                                      specinfer_width=specinfer_width, acceptance=acceptance, adapt=adapt,
+                                      suffix_memory=suffix_memory, progress=progress, **{**kwargs, **budgets})
+                    break
+                except UserError:
+                    if again or choice.chosen == "none":
+                        raise
+                    # the cached choice no longer loads (a folder gone, less memory): choose again
             engine.draft_choice = choice
             return engine
         draft, use_suffix = split_draft(draft)

@@ -75,6 +75,28 @@ def test_timing_factors_follow_a_slower_machine_within_a_few_steps():
     assert t.factor("target") == pytest.approx(2.0, rel=0.05)
 
 
+def test_timing_factors_with_overlap_a_faster_disk_and_a_draft_hidden_whole():
+    """With the draft growing trees during the pass: the draft's part predicted before the pass
+    is its work less the overlapped (a 0.9 s wait, half of it used: 0.3 s of 0.5 s work hidden
+    leaves 0.35 s, worked by hand); a disk twice as fast scales the waits with the passes (they
+    stay within them); a draft predicted hidden whole is not divided by."""
+    base = Timings(NS, (1.0,) * len(NS), (1, 64), (0.1, 0.1), idle_seconds=(0.9,) * len(NS), overlap_use=0.5)
+    widths = (1, 2, 4, 8, 8)  # five levels: 0.5 s of draft work
+    t = TimingEstimate(base)
+    assert t.draft_part(16, widths) == pytest.approx(0.5 - 0.5 * 0.5)
+    for _ in range(12):
+        part = t.target_part(16)
+        t.observe(16, widths, StepTimes(draft=t.draft_part(16, widths), target=0.5 * part, total=0.5 * part
+                                        + t.draft_part(16, widths)))
+    fast = t.timings()  # a pass of 0.5 s whose waits were 0.9 s would be refused
+    assert fast.target(16) == pytest.approx(0.5, rel=0.05) and fast.idle(16) == pytest.approx(0.45, rel=0.05)
+    hidden = TimingEstimate(Timings(NS, (1.0,) * len(NS), (1, 64), (0.1, 0.1), idle_seconds=(0.9,) * len(NS),
+                                    overlap_use=1.0))
+    assert hidden.draft_part(16, widths) == 0.0
+    hidden.observe(16, widths, StepTimes(draft=0.05, target=1.0, total=1.05))  # no division by zero
+    assert hidden.factor("draft") == 1.0
+
+
 class World:
     """A simulated machine and pair: a true vector and true timings; a step's outcome and times
     drawn from them (times with `noise`, relative)."""

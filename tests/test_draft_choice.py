@@ -8,6 +8,9 @@ The profiles are fakes with known level times (one per candidate, so that the fa
 without timing a noisy machine) and the vectors a fixed one: what is under test is the choice,
 not the measurements (tests/test_auto_tree.py and test_optimizer.py test those)."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from offload_engine import Engine
@@ -100,12 +103,19 @@ def test_the_table_is_cached_while_its_profiles_are(folders, fakes, monkeypatch)
                                                          vram=None, ram=None, buffers=None, weights="auto",
                                                          draft_group_size=64, cache_slots=1, tree_budget=None,
                                                          tree_depth=None, verify_reads=False,
-                                                         max_batch_tokens=1024), None)
+                                                         max_batch_tokens=1024, overlap="auto"), None)
     assert cached.exists()
-    profile = next(c.profile for c in again.draft_choice.candidates if c.name == "self-q4")
-    __import__("os").remove(profile)  # a profile gone (measured again later): the choice is made again
+    profile = Path(next(c.profile for c in again.draft_choice.candidates if c.name == "self-q4"))
+    data = json.loads(profile.read_text())
+    profile.write_text(json.dumps({**data, "measured_at": "later"}))  # measured again: the choice is made again
     Engine.load(target, draft="auto", offload="disk", progress=False).close()
-    assert len(evaluated) == 10 and len(fakes) == first + 1  # (only the missing profile measured again)
+    assert len(evaluated) == 10 and len(fakes) == first  # (the profiles themselves are still cached)
+    profile.unlink()  # a profile gone: made again, that profile measured again
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    assert len(evaluated) == 15 and len(fakes) == first + 1
+    cached.write_text("[1]")  # a damaged table: made again, no traceback
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    assert len(evaluated) == 20
 
 
 def test_a_candidate_the_budget_cannot_hold_is_dropped_with_the_planners_reason(folders, fakes, tmp_path):

@@ -360,7 +360,8 @@ def _draft_line(engine, temperature: float) -> str:
     if engine.draft_choice is not None:
         return engine.draft_choice.summary(temperature)
     if engine.draft is None:
-        return "draft: none (plain streamed decoding)"
+        return ("draft: suffix (continuations of text already seen; no prediction)" if engine.suffix_store is not None
+                else "draft: none (plain streamed decoding)")
     name = engine.draft_key or "given"
     if not engine.auto_plans:
         return f"draft: {name}, {engine.tree.kind} tree of {engine.tree.max_nodes} nodes (fixed, no prediction)"

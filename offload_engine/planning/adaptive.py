@@ -147,8 +147,9 @@ class TimingEstimate:
 
     def observe(self, n: int, widths: tuple[int, ...], times: StepTimes) -> None:
         self._add("target", (times.target + times.rest) / self.target_part(n))
-        if n > 1:
-            self._add("draft", (times.draft - times.catch_up) / self.draft_part(n, widths))
+        predicted = self.draft_part(n, widths) if n > 1 else 0.0
+        if predicted > 1e-9:  # (none when the pass before is predicted to have grown it all)
+            self._add("draft", (times.draft - times.catch_up) / predicted)
 
     def _add(self, part: str, ratio: float) -> None:
         if ratio > 0 and ratio < float("inf"):
@@ -158,6 +159,7 @@ class TimingEstimate:
         """The profile's timings with the learned factors applied."""
         b, kt, kd = self.base, self.factor("target"), self.factor("draft")
         return replace(b, target_seconds=tuple(t * kt for t in b.target_seconds),
+                       idle_seconds=tuple(t * kt for t in b.idle_seconds),
                        draft_seconds=tuple(t * kd for t in b.draft_seconds), step_seconds=b.step_seconds * kt,
                        node_seconds=b.node_seconds * kt, plain_seconds=b.plain_seconds * kt)
 

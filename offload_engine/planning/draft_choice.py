@@ -49,6 +49,7 @@ class Candidate:
     trees: dict = field(default_factory=dict)  # temperature -> "(n,d)" or "plain"
     dropped: str = ""  # why it is not a candidate (memory, vocabulary, ...); "" when it is
     profile: str = ""  # the profile file its timings came from
+    measured_at: str = ""  # that profile's own time stamp (measured again: the choice is made again)
 
     def score(self, temperature: float | None) -> float:
         """Predicted s/token at the temperature (the nearest measured), or the mean over both."""
@@ -174,11 +175,18 @@ def _cached(path: Path, temperature: float | None) -> DraftChoice | None:
         cands = [Candidate(**{**c, "predicted": {float(k): v for k, v in c["predicted"].items()},
                               "plain": {float(k): v for k, v in c["plain"].items()},
                               "trees": {float(k): v for k, v in c["trees"].items()}}) for c in data["candidates"]]
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):
-        return None
-    if any(c.profile and not Path(c.profile).exists() for c in cands):
-        return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None  # unreadable or of another form: chosen again
+    if any(c.profile and _measured_at(c.profile) != c.measured_at for c in cands):
+        return None  # a profile gone or measured again since
     return _pick(cands, temperature)
+
+
+def _measured_at(profile: str) -> str | None:
+    try:
+        return json.loads(Path(profile).read_text(encoding="utf-8")).get("measured_at")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
 
 
 def _pick(cands: list[Candidate], temperature: float | None) -> DraftChoice:
@@ -192,10 +200,16 @@ def _pick(cands: list[Candidate], temperature: float | None) -> DraftChoice:
 
 
 def choose_draft(target, load_kwargs: dict, temperature: float | None = None, extra: list[str] | None = None,
-                 progress: bool = True, force: bool = False) -> DraftChoice:
+                 progress: bool = True, force: bool = False, budgets: dict | None = None) -> DraftChoice:
     """The table of candidates and the one to load (see the module's docstring). `load_kwargs`:
-    Engine.load's placement and tree flags (device, dtype, offload, vram, ram, buffers, weights,
-    max_context, draft_group_size, cache_slots, tree_budget, tree_depth, verify_reads)."""
+    Engine.load's placement and tree flags as given (device, dtype, offload, vram, ram, buffers,
+    weights, max_context, draft_group_size, cache_slots, tree_budget, tree_depth, verify_reads,
+    overlap): the cache's key. `budgets`: vram and ram resolved once (the free memory before the
+    first candidate), so that every candidate, and then the one loaded, is planned alike."""
+    import gc
+
+    import torch
+
     from ..engine import Engine, plan_only, resolve_target
     from .profiler import profile_path
     folder = resolve_target(target, progress)
@@ -207,6 +221,7 @@ def choose_draft(target, load_kwargs: dict, temperature: float | None = None, ex
             return found
     plan_keys = ("device", "dtype", "max_context", "offload", "vram", "ram", "buffers", "draft_group_size",
                  "cache_slots", "weights")
+    load = {**load_kwargs, **(budgets or {})}
     cands = []
     for name in candidate_names(folder, embedded, extra):
         c = Candidate(name)
@@ -217,25 +232,31 @@ def choose_draft(target, load_kwargs: dict, temperature: float | None = None, ex
         if name == "none":
             continue
         try:
-            plan_only(folder, draft=name, **{k: load_kwargs[k] for k in plan_keys if k in load_kwargs})
+            plan_only(folder, draft=name, **{k: load[k] for k in plan_keys if k in load})
         except UserError as e:
             c.dropped = str(e).replace("\n", " ")
             continue
         if progress:
             print(f"sequoia-offload: draft auto: evaluating --draft {name}", file=sys.stderr)
+        engine = None
         try:
-            engine = Engine.load(folder, draft=name, tree="auto", adapt=False, progress=progress, **load_kwargs)
-        except UserError as e:
-            c.dropped = str(e).replace("\n", " ")
-            continue
-        try:
+            engine = Engine.load(folder, draft=name, tree="auto", adapt=False, progress=progress, **load)
             for t, plan in engine.auto_plans.items():
                 c.predicted[t] = plan.choice.seconds_per_token
                 c.plain[t] = plan.plain_seconds_per_token
                 c.trees[t] = "plain" if plan.choice.budget == 1 else f"({plan.choice.budget},{plan.choice.depth})"
             c.profile = str(profile_path(engine))
+            c.measured_at = _measured_at(c.profile) or ""
+        except (UserError, RuntimeError, MemoryError) as e:  # (CUDA's out of memory is a RuntimeError)
+            c.dropped = str(e).replace("\n", " ")[:300]
+            c.predicted, c.plain, c.trees = {}, {}, {}
         finally:
-            engine.close()
+            if engine is not None:
+                engine.close()
+            del engine  # its memory back before the next candidate is planned
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     none = next(c for c in cands if c.name == "none")
     plains = [c.plain for c in cands if c.plain]
     if plains:  # plain streamed decoding: the profiles' own prediction (the same pass for every draft)

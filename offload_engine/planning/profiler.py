@@ -86,12 +86,14 @@ def machine_name(device: torch.device) -> str:
 
 
 def profile_key(engine, draft: bool = True) -> str:
-    """The profile's cache key: the machine, device, dtype, the pair and the plan (without the
-    draft: the key of the target's part, which every draft on the same plan shares)."""
+    """The profile's cache key: the machine, device, dtype, the pair, the plan and whether the
+    draft grows trees during the pass (without the draft: the key of the target's part, which
+    every draft on the same plan shares)."""
     plan = engine.plan
     ident = {"v": PROFILE_VERSION, "machine": machine_name(engine.model.device), "device": str(engine.model.device),
              "dtype": str(engine.model.dtype), "target": engine.target_fingerprint,
              "draft": engine.draft_key if draft else None,
+             **({"overlap": True} if draft and getattr(engine, "overlap", False) else {}),
              "plan": [len(plan.resident_layers), len(plan.ram_layers), len(plan.disk_layers), plan.buffers,
                       plan.bytes_per_pass, plan.weights, plan.resident_format]}  # formats change the timings
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -434,8 +436,8 @@ def fit_overlap_use(shapes: list[tuple[int, int]], ahead: list[list[int]], base:
         if n == 1:
             continue
         work = base.draft_factor * sum(base.draft(w) for w in level_widths(TreeTable(PROFILE_VECTOR, n, d).tree(n, d)))
-        for second in levels[1::2]:
-            saved += _saved(base, (n, d), second)
+        for second in levels[1::2]:  # (the levels at what a step pays for them: f times their own)
+            saved += base.draft_factor * _saved(base, (n, d), second)
             room += min(work, base.idle(n))
     return min(1.0, saved / room) if room > 0 else 0.0
 

@@ -319,9 +319,17 @@ def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str 
         choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
         if plan.streamed_layers and (overlap == "on" or (overlap == "auto" and scheme)):
             idle = tuple(pass_idle_s(cfg, plan, precision, n, spec, a) for n in TARGET_WIDTHS)
-            for _ in range(2):  # the share used depends on the tree, the tree on the share
-                timings = replace(timings, idle_seconds=idle, overlap_use=overlap_use(choice.tree, vector))
+            for _ in range(4):  # the share used depends on the tree, the tree on the share
+                use = overlap_use(choice.tree, vector)
+                if use == timings.overlap_use and timings.idle_seconds:
+                    break
+                timings = replace(timings, idle_seconds=idle, overlap_use=use)
                 choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, max_budget, max_depth)
+            use = overlap_use(choice.tree, vector)
+            if use != timings.overlap_use and choice.budget > 1:  # (no fixed point: the last tree at its own share)
+                timings = replace(timings, overlap_use=use)
+                choice = _fixed_or_chosen(vector, timings, (choice.budget, choice.depth), tokens_per_step,
+                                          max_budget, max_depth)
     setting = {"gpu": spec.name, "ram": fmt_bytes(ram), "model": _label(model), "draft": _label(draft),
                "precision": precision,
                "draft_precision": draft_precision,
