@@ -56,6 +56,8 @@ def test_demo_command_streams_an_answer():
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+    # the first line: the draft --draft auto chose, its tree and predicted speed-up
+    assert proc.stdout.startswith("draft auto: ") and "over plain streamed decoding" in proc.stdout.splitlines()[0]
     last = proc.stdout.splitlines()[-1]
     # the whole product: the default draft, --tree auto's choice and prediction, disk streaming
     assert "tokens/s" in last and "/step" in last and "plain streamed decoding" in last, last
