@@ -36,6 +36,7 @@ from offload_engine.formats.config import load_config
 from offload_engine.fsutil import cache_root
 from offload_engine.planning import profiler
 from offload_engine.planning.hw_profile import load_measured
+from offload_engine.planning.profiler import read_target_part
 from offload_engine.speculation import measure
 from offload_engine.runtime.layer_store import open_or_build
 import offload_engine.speculation.drafts as drafts
@@ -150,7 +151,10 @@ class Profile(Artefact):
         if self.label(unit) != "profile":
             return []
         try:
-            load_measured(ctx.live / unit)
+            if "-target-" in Path(unit).name:  # the target's part, shared by the drafts profiled on its plan
+                assert read_target_part(ctx.live / unit) is not None, "not a whole target part"
+            else:
+                load_measured(ctx.live / unit)
             return []
         except Exception as e:  # noqa: BLE001 - reported as the failure it is
             return [f"{unit}: does not load ({e})"]
@@ -210,7 +214,7 @@ class Serve(Artefact):
 
     def op(self, ctx, first):
         drafts.DEFAULT_DRAFT = Path(ctx.fixtures["committed_draft"])
-        profiler.cached_or_measured.__defaults__ = (PROFILE_BUDGET_S, True, False)
+        profiler.cached_or_measured.__defaults__ = (PROFILE_BUDGET_S, True, False, False)
         measure.AUTO_PROMPTS, measure.AUTO_NEW_TOKENS = SERVE_AUTO_PROMPTS, SERVE_AUTO_NEW_TOKENS
         measure.DEFAULT_PROMPTS = Path(ctx.fixtures["prompts"])
         return cli_main(["serve", "--target", ctx.fixtures["gguf"], *SERVE_FLAGS, "--port", str(ctx.port)])

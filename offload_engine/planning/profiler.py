@@ -108,18 +108,31 @@ def target_part_path(engine) -> Path:
     return cache_root() / "profiles" / f"{engine.folder.name}-target-{profile_key(engine, draft=False)}.json"
 
 
-def _shared_target_part(engine) -> dict | None:
+def read_target_part(path: Path) -> dict | None:
+    """A target part (`target_part_path`) as written, checked as the optimizer checks timings;
+    None when there is none or it does not read whole (it is then measured again)."""
     try:
-        data = json.loads(target_part_path(engine).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
         part = {k: data[k] for k in ("target_tokens", "target_pass_s", "target_idle_s", "stream_source",
                                      "stream_gb_per_s")}
         Timings(tuple(part["target_tokens"]), tuple(part["target_pass_s"]), (1,), (0.0,),
-                idle_seconds=tuple(part["target_idle_s"]))  # checked as the optimizer checks them
+                idle_seconds=tuple(part["target_idle_s"]))
         if not isinstance(part["stream_source"], str) or not part["stream_gb_per_s"] >= 0:
             return None
         return part
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):
-        return None  # none yet, or unreadable: measured again
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+
+
+def _shared_target_part(engine) -> dict | None:
+    return read_target_part(target_part_path(engine))
+
+
+def _write_target_part(engine, prof: MeasuredProfile) -> None:
+    atomic_write_text(target_part_path(engine), json.dumps({
+        "target_tokens": prof.target_tokens, "target_pass_s": prof.target_pass_s, "target_idle_s": prof.target_idle_s,
+        "stream_source": prof.stream_source, "stream_gb_per_s": prof.stream_gb_per_s,
+        "measured_at": prof.measured_at}, indent=2) + "\n")
 
 
 def profile_path(engine, quick: bool = False) -> Path:
@@ -133,16 +146,16 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
     path = profile_path(engine, quick)
     if path.exists() and not force:
         try:
-            return load_measured(path), path, False
+            prof = load_measured(path)
+            if _shared_target_part(engine) is None:  # (a run stopped between the two files)
+                _write_target_part(engine, prof)
+            return prof, path, False
         except UserError as e:
             print(f"sequoia-offload: warning: {e}; measuring again", file=sys.stderr)
     prof = measure(engine, budget_s, progress, reuse_target=not force, quick=quick)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, prof.to_json())
-    atomic_write_text(target_part_path(engine), json.dumps({
-        "target_tokens": prof.target_tokens, "target_pass_s": prof.target_pass_s, "target_idle_s": prof.target_idle_s,
-        "stream_source": prof.stream_source, "stream_gb_per_s": prof.stream_gb_per_s,
-        "measured_at": prof.measured_at}, indent=2) + "\n")
+    _write_target_part(engine, prof)
     return prof, path, True
 
 
