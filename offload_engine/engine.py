@@ -173,6 +173,17 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
     return model_bytes(draft_cfg, dtype), folder, draft_cfg
 
 
+def choose_draft(target, load_kwargs: dict, temperature: float | None = None, extra: list[str] | None = None,
+                 progress: bool = True, force: bool = False, budgets: dict | None = None):
+    """`--draft auto`'s table and choice for `target` (`planning.draft_choice`, handed Engine.load
+    and plan_only to evaluate the candidates with)."""
+    from .planning import draft_choice
+    folder = resolve_target(target, progress)
+    return draft_choice.choose_draft(folder, target is None or str(target) == "default", load_kwargs,
+                                     load=Engine.load, plan=plan_only, temperature=temperature, extra=extra,
+                                     progress=progress, force=force, budgets=budgets)
+
+
 def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
               ram=None, buffers=None, max_batch_tokens=1024, draft: str | Path | None = None,
               draft_group_size: int = DEFAULT_GROUP_SIZE, cache_slots: int = 1,
@@ -320,7 +331,6 @@ class Engine:
         if str(draft) == "none":
             draft = None
         if str(draft) == "auto":  # the optimizer chooses the draft too (`planning.draft_choice`)
-            from .planning.draft_choice import choose_draft
             kwargs = dict(device=device, dtype=dtype, max_context=max_context, offload=offload, vram=vram, ram=ram,
                           buffers=buffers, weights=weights, draft_group_size=draft_group_size,
                           cache_slots=cache_slots, tree_budget=tree_budget, tree_depth=tree_depth,

@@ -124,7 +124,8 @@ def test_a_candidate_the_budget_cannot_hold_is_dropped_with_the_planners_reason(
     plan, *_ = plan_only(target, device="cpu", draft="self-q4", offload="disk", vram=1 << 40)
     # room for self-q4's substitutes, not for self-int8's whole copy and its cache
     vram = sum(plan.fixed_bytes.values()) + 4096
-    choice = draft_choice.choose_draft(target, dict(offload="disk", vram=vram), progress=False)
+    from offload_engine.engine import choose_draft
+    choice = choose_draft(target, dict(offload="disk", vram=vram), progress=False)
     by = {c.name: c for c in choice.candidates}
     assert "too small" in by["self-int8"].dropped and by["self-int8"].score(None) == float("inf")
     assert not by["self-q4"].dropped and choice.chosen == "self-q4"

@@ -511,7 +511,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_draft_auto(args: argparse.Namespace) -> int:
     """plan --draft auto: every candidate draft, why it was dropped or what it is predicted to
     make (the tree --tree auto would choose and its s/token at T=0 and 0.6), the one chosen."""
-    from ..planning.draft_choice import choice_path, choose_draft
+    from ..engine import choose_draft
+    from ..planning.draft_choice import choice_path
     kwargs = dict(device=args.device, dtype=args.dtype, max_context=args.max_context, offload=args.offload,
                   vram=args.vram, ram=args.ram, buffers=args.buffers, weights=args.weights,
                   draft_group_size=args.draft_group_size, cache_slots=args.cache_slots,

@@ -201,21 +201,22 @@ def _pick(cands: list[Candidate], temperature: float | None) -> DraftChoice:
     return DraftChoice(cands, best.name, temperature)
 
 
-def choose_draft(target, load_kwargs: dict, temperature: float | None = None, extra: list[str] | None = None,
-                 progress: bool = True, force: bool = False, budgets: dict | None = None) -> DraftChoice:
-    """The table of candidates and the one to load (see the module's docstring). `load_kwargs`:
-    Engine.load's placement and tree flags as given (device, dtype, offload, vram, ram, buffers,
-    weights, max_context, draft_group_size, cache_slots, tree_budget, tree_depth, verify_reads,
-    overlap): the cache's key. `budgets`: vram and ram resolved once (the free memory before the
-    first candidate), so that every candidate, and then the one loaded, is planned alike."""
+def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
+                 temperature: float | None = None, extra: list[str] | None = None, progress: bool = True,
+                 force: bool = False, budgets: dict | None = None) -> DraftChoice:
+    """The table of candidates and the one to load (see the module's docstring), for the target
+    checkpoint `folder` (`embedded`: the embedded default, which has a committed draft).
+    `load_kwargs`: Engine.load's placement and tree flags as given (device, dtype, offload, vram,
+    ram, buffers, weights, max_context, draft_group_size, cache_slots, tree_budget, tree_depth,
+    verify_reads, overlap): the cache's key. `load` and `plan`: Engine.load and plan_only (the
+    engine sits above this layer and hands them down: `engine.choose_draft`). `budgets`: vram and
+    ram resolved once (the free memory before the first candidate), so that every candidate, and
+    then the one loaded, is planned alike."""
     import gc
 
     import torch
 
-    from ..engine import Engine, plan_only, resolve_target
     from .profiler import profile_path
-    folder = resolve_target(target, progress)
-    embedded = target is None or str(target) == "default"
     path = choice_path(folder, load_kwargs, extra)
     if not force and path.exists():
         found = _cached(path, temperature)
@@ -223,7 +224,7 @@ def choose_draft(target, load_kwargs: dict, temperature: float | None = None, ex
             return found
     plan_keys = ("device", "dtype", "max_context", "offload", "vram", "ram", "buffers", "draft_group_size",
                  "cache_slots", "weights")
-    load = {**load_kwargs, **(budgets or {})}
+    given = {**load_kwargs, **(budgets or {})}
     cands = []
     for name in candidate_names(folder, embedded, extra):
         c = Candidate(name)
@@ -234,7 +235,7 @@ def choose_draft(target, load_kwargs: dict, temperature: float | None = None, ex
         if name == "none":
             continue
         try:
-            plan_only(folder, draft=name, **{k: load[k] for k in plan_keys if k in load})
+            plan(folder, draft=name, **{k: given[k] for k in plan_keys if k in given})
         except UserError as e:
             c.dropped = str(e).replace("\n", " ")
             continue
@@ -242,12 +243,12 @@ def choose_draft(target, load_kwargs: dict, temperature: float | None = None, ex
             print(f"sequoia-offload: draft auto: evaluating --draft {name}", file=sys.stderr)
         engine = None
         try:
-            engine = Engine.load(folder, draft=name, tree="auto", adapt=False, progress=progress,
-                                 quick_profile=True, **load)
-            for t, plan in engine.auto_plans.items():
-                c.predicted[t] = plan.choice.seconds_per_token
-                c.plain[t] = plan.plain_seconds_per_token
-                c.trees[t] = "plain" if plan.choice.budget == 1 else f"({plan.choice.budget},{plan.choice.depth})"
+            engine = load(folder, draft=name, tree="auto", adapt=False, progress=progress,
+                          quick_profile=True, **given)
+            for t, auto in engine.auto_plans.items():
+                c.predicted[t] = auto.choice.seconds_per_token
+                c.plain[t] = auto.plain_seconds_per_token
+                c.trees[t] = "plain" if auto.choice.budget == 1 else f"({auto.choice.budget},{auto.choice.depth})"
             c.profile = str(profile_path(engine, quick=True))
             c.measured_at = _measured_at(c.profile) or ""
         except (UserError, RuntimeError, MemoryError) as e:  # (CUDA's out of memory is a RuntimeError)
