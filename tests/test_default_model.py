@@ -52,12 +52,16 @@ def test_default_model_folder_is_written_once_and_reused():
 
 
 def test_demo_command_streams_an_answer():
-    proc = subprocess.run([sys.executable, str(ROOT / "run_70b.py")], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    """`make demo`'s command with the draft it chooses on this CPU named (`--draft auto`, its
+    default, first profiles every candidate: 3-4 minutes on a fresh 2-core machine, which the
+    suite cannot afford; the choice itself is tested in tests/test_draft_choice.py)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "run_70b.py"), "demo", "--draft", "self-q8"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
-    # the first line: the draft --draft auto chose, its tree and predicted speed-up
-    assert proc.stdout.startswith("draft auto: ") and "over plain streamed decoding" in proc.stdout.splitlines()[0]
+    # the first line: the draft, its tree and predicted speed-up
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("draft: self-q8, tree (") and "over plain streamed decoding" in first, first
     last = proc.stdout.splitlines()[-1]
     # the whole product: the default draft, --tree auto's choice and prediction, disk streaming
     assert "tokens/s" in last and "/step" in last and "plain streamed decoding" in last, last
