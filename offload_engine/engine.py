@@ -295,7 +295,7 @@ class Engine:
              cache_slots: int = 1, weights: str = "auto", adapt: bool = True,
              suffix_memory: int = DEFAULT_MEMORY, verify_reads: bool = False, overlap: str = "auto",
              progress: bool = True, draft_candidates: list[str] | None = None,
-             draft_temperature: float | None = None, quick_profile: bool = False) -> "Engine":
+             draft_temperature: float | None = None) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -324,7 +324,7 @@ class Engine:
         draft "auto" chooses the draft (`planning.draft_choice`): among the candidates (the
         self-drafts, the default draft, same-tokenizer models beside the target and
         `draft_candidates`, none), the one predicted fastest at `draft_temperature` (None: over
-        T=0 and 0.6), each ranked by a quick profile (`quick_profile`: two real step shapes).
+        T=0 and 0.6), each by its own profile and acceptance vectors.
         """
         if overlap not in ("auto", "on", "off"):
             raise UserError(f"--overlap must be auto, on or off, got {overlap!r}")
@@ -414,14 +414,14 @@ class Engine:
             # or skipped by what the steps measure (`SuffixGate`); else SuffixDecoding's rule as is
             engine.suffix_gated = draft_model is None and auto and adapt
         if auto and draft_model is not None:
-            engine._plan_auto(acceptance, cap_budget, cap_depth, progress, quick_profile)
+            engine._plan_auto(acceptance, cap_budget, cap_depth, progress)
         return engine
 
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
-                   progress: bool, quick_profile: bool = False) -> None:
+                   progress: bool) -> None:
         from .planning import auto_tree, profiler
         from .speculation import measure
-        prof, path, fresh = profiler.cached_or_measured(self, progress=progress, quick=quick_profile)
+        prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
             print(f"sequoia-offload: {'measured' if fresh else 'using'} the machine profile {path}", file=sys.stderr)
         vectors = ({0.0: (acceptance, Path("given"))} if acceptance is not None

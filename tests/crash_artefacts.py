@@ -214,7 +214,7 @@ class Serve(Artefact):
 
     def op(self, ctx, first):
         drafts.DEFAULT_DRAFT = Path(ctx.fixtures["committed_draft"])
-        profiler.cached_or_measured.__defaults__ = (PROFILE_BUDGET_S, True, False, False)
+        profiler.cached_or_measured.__defaults__ = (PROFILE_BUDGET_S, True, False)
         measure.AUTO_PROMPTS, measure.AUTO_NEW_TOKENS = SERVE_AUTO_PROMPTS, SERVE_AUTO_NEW_TOKENS
         measure.DEFAULT_PROMPTS = Path(ctx.fixtures["prompts"])
         return cli_main(["serve", "--target", ctx.fixtures["gguf"], *SERVE_FLAGS, "--port", str(ctx.port)])

@@ -11,11 +11,10 @@ The candidates are the drafts at hand without a download:
     named with `draft_candidates` (`--draft-candidates A,B`);
   * `none`: plain streamed decoding.
 A candidate the memory budget cannot hold beside the target's plan is dropped with the planner's
-reason. Each other one is loaded as `--tree auto` loads it: its quick profile (the target's
-passes, shared by every draft on the plan, its own level times, and the step model fitted to two
-cheap real step shapes: `profiler.QUICK_STEP_SHAPES`) and its acceptance vectors, each measured
-once per machine / pair and cached, give the optimizer's best tree and its predicted s/token at
-T=0 and T=0.6. The one loaded then gets its full profile, as `--tree auto` does. The engine then loads the one
+reason. Each other one is loaded as `--tree auto` loads it: its profile (the target's passes,
+shared by every draft on the plan, its own level times, and the step model fitted to its real
+steps) and its acceptance vectors, each measured once per machine / pair and cached, give the
+optimizer's best tree and its predicted s/token at T=0 and T=0.6. The engine then loads the one
 predicted fastest (at the request temperature when known, else over both). The `suffix` draft
 is not a candidate: what it gains depends on text repeating, which nothing measured before the
 text predicts (it is listed, with that reason); `--draft suffix` or `X+suffix` choose it.
@@ -243,13 +242,12 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
             print(f"sequoia-offload: draft auto: evaluating --draft {name}", file=sys.stderr)
         engine = None
         try:
-            engine = load(folder, draft=name, tree="auto", adapt=False, progress=progress,
-                          quick_profile=True, **given)
+            engine = load(folder, draft=name, tree="auto", adapt=False, progress=progress, **given)
             for t, auto in engine.auto_plans.items():
                 c.predicted[t] = auto.choice.seconds_per_token
                 c.plain[t] = auto.plain_seconds_per_token
                 c.trees[t] = "plain" if auto.choice.budget == 1 else f"({auto.choice.budget},{auto.choice.depth})"
-            c.profile = str(profile_path(engine, quick=True))
+            c.profile = str(profile_path(engine))
             c.measured_at = _measured_at(c.profile) or ""
         except (UserError, RuntimeError, MemoryError) as e:  # (CUDA's out of memory is a RuntimeError)
             c.dropped = str(e).replace("\n", " ")[:300]

@@ -67,9 +67,6 @@ PROFILE_VERSION = 5  # 5: the pass waits and the overlap used (drafting while th
 # list after the fourth); the plain step always runs last
 STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))
 MIN_STEP_SHAPES = 4
-# a quick profile (what --draft auto ranks its candidates by): two cheap shapes and a plain step,
-# two timed rounds: the per-step constant, the draft's share and the plain step, no per-node term
-QUICK_STEP_SHAPES = ((16, 4), (4, 3))
 PROFILE_VECTOR = AcceptanceVector((0.5, 0.2, 0.1, 0.05))  # shapes the timed trees (timing does not need the pair's)
 
 
@@ -135,15 +132,14 @@ def _write_target_part(engine, prof: MeasuredProfile) -> None:
         "measured_at": prof.measured_at}, indent=2) + "\n")
 
 
-def profile_path(engine, quick: bool = False) -> Path:
-    return cache_root() / "profiles" / f"{engine.folder.name}-{profile_key(engine)}{'-quick' if quick else ''}.json"
+def profile_path(engine) -> Path:
+    return cache_root() / "profiles" / f"{engine.folder.name}-{profile_key(engine)}.json"
 
 
 def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
-                       force: bool = False, quick: bool = False) -> tuple[MeasuredProfile, Path, bool]:
-    """(profile, its file, whether it was measured now). `quick`: a quick profile (only
-    QUICK_STEP_SHAPES' real steps), cached apart from the full one."""
-    path = profile_path(engine, quick)
+                       force: bool = False) -> tuple[MeasuredProfile, Path, bool]:
+    """(profile, its file, whether it was measured now)."""
+    path = profile_path(engine)
     if path.exists() and not force:
         try:
             prof = load_measured(path)
@@ -152,7 +148,7 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
             return prof, path, False
         except UserError as e:
             print(f"sequoia-offload: warning: {e}; measuring again", file=sys.stderr)
-    prof = measure(engine, budget_s, progress, reuse_target=not force, quick=quick)
+    prof = measure(engine, budget_s, progress, reuse_target=not force)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, prof.to_json())
     _write_target_part(engine, prof)
@@ -224,11 +220,11 @@ def _tree_inputs(n: int, past: int, device: torch.device, generator: torch.Gener
 
 
 def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
-            reuse_target: bool = False, quick: bool = False) -> MeasuredProfile:
+            reuse_target: bool = False) -> MeasuredProfile:
     """The machine's profile for the engine's pair. `reuse_target`: take the target's part
     (its passes, their waits, the bandwidth) from a profile of another draft on the same target,
     plan and machine when one was measured (`target_part_path`), and time only the draft's
-    levels and the real steps. `quick`: real steps of QUICK_STEP_SHAPES only, two rounds."""
+    levels and the real steps."""
     if engine.draft is None:
         raise UserError("profiling needs a draft (--draft): it measures the draft's level time too")
     started = time.perf_counter()
@@ -341,9 +337,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
              for greedy, dt in ((True, dts_greedy), (False, dts))}
     steps_budget = min(budget_s * 0.2, max(0.0, budget_s - (time.perf_counter() - started)))
     overlap = bool(getattr(engine, "overlap", False)) and executor is not None
-    shapes, times, ahead = _time_steps(engine, bases, g, steps_budget, pairs=overlap,
-                                       step_shapes=QUICK_STEP_SHAPES if quick else STEP_SHAPES,
-                                       rounds=2 if quick else 3)
+    shapes, times, ahead = _time_steps(engine, bases, g, steps_budget, pairs=overlap)
     fits = {greedy: fit_step_model(shapes, times[greedy], bases[greedy]) for greedy in (True, False)}
     uses = {greedy: fit_overlap_use(shapes, ahead[greedy], replace(bases[greedy], draft_factor=fits[greedy][2],
                                                                     idle_seconds=idle_s))
@@ -368,8 +362,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
         fit_cv_error_greedy=cv_g, target_idle_s=idle_s, overlap_use=uses[False], overlap_use_greedy=uses[True])
 
 
-def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs: bool = False,
-                step_shapes: tuple = STEP_SHAPES, rounds: int = 3):
+def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs: bool = False):
     """Real speculation steps, greedy (bases[True]) and sampled (bases[False]), of the STEP_SHAPES
     the measured widths allow (at least MIN_STEP_SHAPES of them, more while the warm-up round
     stays within a quarter of `budget_s`), then a plain step. A warm-up round first (untimed: fresh
@@ -382,7 +375,7 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
     step, draft part, target part), and each timed step's levels grown ahead (in run order)."""
     from ..speculation.decoder import SpeculativeDecoder, TreeSpec
     widest = bases[True].target_tokens[-1]
-    fits = [(n, d) for n, d in step_shapes if n <= widest and n <= engine.max_batch_tokens]
+    fits = [(n, d) for n, d in STEP_SHAPES if n <= widest and n <= engine.max_batch_tokens]
     per_shape = 2 if pairs else 1
     capacity = PREFIX_TOKENS + 5 * per_shape * sum(d + 1 for _, d in fits) + 16
     ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
@@ -416,7 +409,7 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
     for greedy in (True, False):
         one_step(greedy, 1, 1)
     runs = {(greedy, shape): [] for greedy in (True, False) for shape in shapes}
-    for r in range(rounds):
+    for r in range(3):
         if r == 2 and time.perf_counter() - started > budget_s * per_shape:
             break
         for shape in shapes:
