@@ -24,8 +24,8 @@ from pathlib import Path
 from ..errors import UserError
 from ..formats import model_names
 from ..formats.gguf_model import SIDECAR_FILE, is_sidecar
+from ..planning.draft_choice import DRAFT_RATIO, parameters, vocab_digest
 
-DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's parameters
 # torch.cuda.get_device_name() (lowercased) -> the shipped spec sheet (`gpu_names()`)
 GPU_PATTERNS = ((r"rtx 4090", "rtx4090"), (r"rtx 3090", "rtx3090"), (r"rtx 4080", "rtx4080"),
                 (r"\bl40s?\b", "l40"), (r"a100", "a100-40gb"), (r"h100.*pcie", "h100-pcie"))
@@ -127,14 +127,8 @@ def inspect(name: str, source: str) -> ModelRow:
         dtype = _safetensors_dtype(files)
         row.format = f"safetensors {dtype}"
         row.bits_per_weight = 8 * row.disk_bytes / max(row.params, 1)
-    row.tokenizer = _vocab_digest(folder)
+    row.tokenizer = vocab_digest(folder)
     return row
-
-
-def parameters(cfg) -> int:
-    from ..formats.checkpoint import global_shapes
-    from ..planning.simulator import layer_params
-    return sum(math.prod(s) for s in global_shapes(cfg).values()) + cfg.num_layers * layer_params(cfg)
 
 
 def _gguf_formats() -> tuple[str, ...]:
@@ -158,17 +152,6 @@ def _safetensors_dtype(files: list[Path]) -> str:
                 start, end = t.get("data_offsets", (0, 0))
                 count[t.get("dtype", "?")] += end - start
     return count.most_common(1)[0][0].lower() if count else "?"
-
-
-def _vocab_digest(folder: Path) -> str:
-    try:
-        data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-        vocab = data["model"]["vocab"]
-        added = sorted((a["id"], a["content"]) for a in data.get("added_tokens", []))
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    blob = json.dumps([sorted(vocab.items()) if isinstance(vocab, dict) else vocab, added])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def pair_drafts(rows: list[ModelRow]) -> None:

@@ -6,8 +6,8 @@ The candidates are the drafts at hand without a download:
     `self-int4` (every layer quantised, a cache of their own);
   * `default`: the committed distilled draft of the embedded default target (other targets
     cannot use it: the plan refuses it, and the table says why);
-  * models with the target's tokenizer found beside the target (sibling checkpoint folders with
-    an identical tokenizer.json and vocabulary, at most a quarter of its layers' parameters) or
+  * models with the target's vocabulary found beside the target (sibling checkpoint folders that
+    `models` pairs with it: the same vocabulary, at most a quarter of its parameters) or
     named with `draft_candidates` (`--draft-candidates A,B`);
   * `none`: plain streamed decoding.
 A candidate the memory budget cannot hold beside the target's plan is dropped with the planner's
@@ -39,7 +39,7 @@ from ..fsutil import atomic_write_text, cache_root
 SELF_CANDIDATES = ("self-q8", "self-q4", "self-int8", "self-int4")
 TEMPERATURES = (0.0, 0.6)
 CHOICE_VERSION = 1
-SIBLING_SHARE = 0.25  # a found draft has at most this share of the target's parameters
+DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's parameters (also `models`)
 
 
 @dataclass
@@ -123,33 +123,46 @@ def candidate_names(target_folder: Path, embedded_default: bool, extra: list[str
     return names + ["suffix", "none"]
 
 
-def siblings(target_folder: Path) -> list[Path]:
-    """Checkpoint folders beside the target with its exact tokenizer.json and vocabulary size,
-    and at most SIBLING_SHARE of its decoder layers' parameters (by their configs)."""
-    from ..formats.config import load_config
+def parameters(cfg) -> int:
+    """A model's parameters, from its config (embeddings, head, norms and every layer)."""
+    from ..formats.checkpoint import global_shapes
     from .simulator import layer_params
+    return sum(math.prod(s) for s in global_shapes(cfg).values()) + cfg.num_layers * layer_params(cfg)
 
-    def params(cfg) -> int:
-        return cfg.num_layers * layer_params(cfg)
+
+def vocab_digest(folder: Path) -> str:
+    """A digest of a checkpoint's vocabulary (tokens and added tokens): equal digests can
+    speculate together; "" when its tokenizer.json does not read."""
     try:
-        tok = (target_folder / "tokenizer.json").read_bytes()
-        cfg = load_config(target_folder)
+        data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        added = sorted((a["id"], a["content"]) for a in data.get("added_tokens", []))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    blob = json.dumps([sorted(vocab.items()) if isinstance(vocab, dict) else vocab, added])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def siblings(target_folder: Path) -> list[Path]:
+    """Checkpoint folders beside the target that `models` would pair with it as drafts: the
+    same vocabulary (`vocab_digest` and vocab_size) and at most DRAFT_RATIO of its parameters."""
+    from ..formats.config import load_config
+    try:
+        digest, cfg = vocab_digest(target_folder), load_config(target_folder)
         entries = sorted(target_folder.parent.iterdir())
     except (OSError, UserError):
         return []
     found = []
     for p in entries:
-        if p == target_folder or not (p / "config.json").is_file():
+        if not digest or p == target_folder or not (p / "config.json").is_file():
             continue
         try:
             other = load_config(p)
-            if (p / "tokenizer.json").read_bytes() != tok or other.vocab_size != cfg.vocab_size:
-                continue
-            if params(other) > SIBLING_SHARE * params(cfg):
-                continue
         except (OSError, UserError):
             continue
-        found.append(p)
+        if (vocab_digest(p) == digest and other.vocab_size == cfg.vocab_size
+                and parameters(other) <= DRAFT_RATIO * parameters(cfg)):
+            found.append(p)
     return found
 
 
