@@ -517,7 +517,8 @@ def _plan_draft_auto(args: argparse.Namespace) -> int:
                   vram=args.vram, ram=args.ram, buffers=args.buffers, weights=args.weights,
                   draft_group_size=args.draft_group_size, cache_slots=args.cache_slots,
                   tree_budget=args.tree_budget, tree_depth=args.tree_depth,
-                  verify_reads=getattr(args, "verify_reads", False), max_batch_tokens=1024)
+                  verify_reads=getattr(args, "verify_reads", False), max_batch_tokens=1024,
+                  overlap=getattr(args, "overlap", "auto"))  # (the key Engine.load's --draft auto uses)
     choice = choose_draft(args.target, kwargs, None, _candidates(args), True, args.force)
     print(choice.table())
     print(f"\n{choice.summary()}")
