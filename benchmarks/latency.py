@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import Counter
@@ -175,7 +176,8 @@ def _load(args, m: dict):
 def _empty() -> dict:
     return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
             "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": [], "suffix_accepted": 0,
-            "suffix_matched": 0, "gate_runs": 0, "gate_skips": 0, "split": {}, "ahead_hits": 0, "ahead_misses": 0}
+            "suffix_matched": 0, "gate_runs": 0, "gate_skips": 0, "split": {}, "ahead_hits": 0, "ahead_misses": 0,
+            "by_prompt": []}
 
 
 def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_tokens: int) -> None:
@@ -183,6 +185,7 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     s = r.stats
     acc["decode_seconds"] += s["seconds"] - s["prefill_seconds"]
     acc["tokens"] += s["new_tokens"] - 1  # the first token comes from the prefill pass
+    acc["by_prompt"].append((s["seconds"] - s["prefill_seconds"]) / max(1, s["new_tokens"] - 1))
     acc["steps"] += s["target_steps"]
     acc["target_passes"] += s["target_passes"]
     acc["bytes_streamed"] += s["bytes_streamed"]
@@ -206,6 +209,16 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
             "predicted_seconds_per_token": a["predicted_seconds_per_token"], "start_tree": [a["budget"], a["depth"]],
             "forecast_seconds_per_token": a["forecast_seconds_per_token"], "trees": a["trees"],
             "tree_steps": a["tree_steps"]})
+
+
+def paired_ratio(reference: dict, row: dict) -> float:
+    """The median over prompts of the reference's s/token over the row's on the same prompt: the
+    modes run prompt by prompt, interleaved, so a slow spell of a shared machine falls on a few
+    prompts of one mode, which the pooled ratio (total time over total tokens) carries whole and
+    this median sets aside."""
+    pairs = [a / b for a, b in zip(reference["seconds_per_token_by_prompt"], row["seconds_per_token_by_prompt"])
+             if b > 0]
+    return statistics.median(pairs) if pairs else float("nan")
 
 
 def _finish_mode(acc: dict) -> dict:
@@ -291,7 +304,8 @@ def run(args: argparse.Namespace) -> dict:
                     row = {"mode": m["mode"], "kind": m["kind"], "budget": m.get("budget", 1),
                            "depth": m.get("depth", 1), "temperature": t,
                            **{k: r[k] for k in ("tokens_per_step", "seconds_per_token", "target_passes",
-                                                "bytes_streamed_per_token", "steps", "tokens")}}
+                                                "bytes_streamed_per_token", "steps", "tokens")},
+                           "seconds_per_token_by_prompt": r["by_prompt"]}
                     if r["steps"] and r["split"]:  # each step's time split, ms per step
                         row["split_ms_per_step"] = {k: 1e3 * v / r["steps"] for k, v in r["split"].items()}
                     if r["ahead_hits"] + r["ahead_misses"]:  # steps whose next tree was grown in the pass
@@ -334,9 +348,12 @@ def run(args: argparse.Namespace) -> dict:
         if row["kind"] == "auto":
             best = next(r for r in rows if r["mode"] == "best-fixed" and r["temperature"] == row["temperature"])
             row["vs_best_fixed"] = best["seconds_per_token"] / row["seconds_per_token"]
+            row["vs_best_fixed_paired"] = paired_ratio(best, row)
+            row["vs_plain_paired"] = paired_ratio(base, row)
         if row["mode"] == "draft-auto":
             best = next(r for r in rows if r["mode"] == "best-single" and r["temperature"] == row["temperature"])
             row["vs_best_single"] = best["seconds_per_token"] / row["seconds_per_token"]
+            row["vs_best_single_paired"] = paired_ratio(best, row)
     peer = None
     if not args.no_peer and 0.0 in temps:
         engine = _load(args, {"mode": "plain-streamed", "kind": "none", "draft": False})
@@ -388,9 +405,11 @@ def markdown(res: dict) -> str:
         eq = "-" if r["equal_to_plain"] is None else ("yes" if r["equal_to_plain"] else "**NO**")
         mode = r["mode"] + (f" ({r['best_fixed_mode']})" if "best_fixed_mode" in r else "")
         if "vs_best_single" in r:
-            mode += f": {r['vs_best_single']:.2f}x the best single draft; {r['trees']}"
+            mode += (f": {r['vs_best_single']:.2f}x the best single draft (per prompt, median "
+                     f"{r['vs_best_single_paired']:.2f}x); {r['trees']}")
         elif "vs_best_fixed" in r:
-            mode += f": {r['vs_best_fixed']:.2f}x best fixed; {r['trees']}"
+            mode += (f": {r['vs_best_fixed']:.2f}x best fixed (per prompt, median {r['vs_best_fixed_paired']:.2f}x; "
+                     f"{r['vs_plain_paired']:.2f}x plain); {r['trees']}")
         if "suffix_accepted_tokens" in r:
             mode += f" ({r['suffix_accepted_tokens']} tokens from suffix drafts"
             mode += (f"; {r['gate_runs']} proposals run, {r['gate_skips']} skipped)" if "gate_runs" in r else ")")

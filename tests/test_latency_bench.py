@@ -3,6 +3,7 @@ field, and the T=0 exactness column is computed from the tokens (a deliberately 
 verifier shows as not equal)."""
 
 import json
+import statistics
 
 import pytest
 
@@ -70,6 +71,13 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
         for mode in ("sequoia-auto", "auto-no-adapt"):
             r = at[mode]
             assert r["vs_best_fixed"] == pytest.approx(best["seconds_per_token"] / r["seconds_per_token"])
+            # the paired ratio: the median over the three prompts, each mode's own s/token on each
+            assert len(r["seconds_per_token_by_prompt"]) == 3
+            ratios = sorted(b / a for a, b in zip(r["seconds_per_token_by_prompt"], best["seconds_per_token_by_prompt"]))
+            assert r["vs_best_fixed_paired"] == pytest.approx(ratios[1])
+            plain = sorted(b / a for a, b in zip(r["seconds_per_token_by_prompt"],
+                                                 at["plain-streamed"]["seconds_per_token_by_prompt"]))
+            assert r["vs_plain_paired"] == pytest.approx(plain[1])
             assert len(r["per_prompt"]) == 3 and all(pp["predicted_seconds_per_token"] > 0 for pp in r["per_prompt"])
             assert "x" in r["trees"]
         assert at["auto-no-adapt"]["trees"].count(" x ") == 1  # one tree throughout
@@ -94,6 +102,8 @@ def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pai
         assert at["best-single"]["best_fixed_mode"] == single["mode"]
         r = at["draft-auto"]
         assert r["vs_best_single"] == pytest.approx(single["seconds_per_token"] / r["seconds_per_token"])
+        ratios = sorted(b / a for a, b in zip(r["seconds_per_token_by_prompt"], single["seconds_per_token_by_prompt"]))
+        assert r["vs_best_single_paired"] == pytest.approx(statistics.median(ratios))
         assert r["equal_to_plain"] is (True if t == 0 else None)
     assert "the best single draft" in capsys.readouterr().out
 
