@@ -11,7 +11,7 @@ from offload_engine.formats.config import load_config
 from offload_engine.runtime.model import Transformer
 from offload_engine.speculation.drafts import build_self_draft, self_draft_bytes
 from offload_engine.runtime.quant import (
-    QuantizedLinear, pack_nibbles, unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
+    QuantizedLinear, WIDE_ROWS, pack_nibbles, unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
 )
 from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
@@ -55,7 +55,7 @@ def test_nibbles_round_trip():
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_packed_kernel_matches_the_dequantised_matmul(scheme):
+def test_packed_kernel_matches_the_dequantised_matmul(scheme, monkeypatch):
     """torch 2.13's CPU build has both packed kernels: they must be chosen, and agree with the
     dense matmul of the dequantised matrix to bfloat16 precision (2e-2 of the output's scale)."""
     w = _weights()
@@ -68,6 +68,24 @@ def test_packed_kernel_matches_the_dequantised_matmul(scheme):
     assert got.dtype == torch.float32 and got.shape == (7, 96)
     assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
     assert kernel.nbytes() == quantized_bytes(96, 256, scheme, 64)  # what the plan counts
+    # int8 on the CPU: WIDE_ROWS rows or more take the integer GEMM (fewer, the packed kernel above),
+    # activations quantised per row: each output is off by at most the activations' rounding,
+    # max|x_row| / 254, times the row's sum of |weights| (the int32 sums are exact)
+    assert kernel.wide == (scheme == "int8")
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or real(a, b))
+    kernel.linear(torch.randn(WIDE_ROWS - 1, 256))
+    w_abs = dequant.dequantize().abs().sum(1)
+    for shape in ((WIDE_ROWS, 256), (2, 12, 256)):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
+        want = x @ dequant.dequantize().T
+        got = kernel.linear(x)
+        assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 96)
+        if scheme == "int8":  # (int4 has no such path: the packed kernel, checked above)
+            bound = x.abs().amax(-1, keepdim=True) / 254 * w_abs + 1e-5 * want.abs().max()
+            assert bool(((got - want).abs() <= bound).all())
+    assert calls == ([WIDE_ROWS, 24] if scheme == "int8" else [])
 
 
 def test_group_size_must_divide_inputs():
