@@ -85,6 +85,11 @@ def test_packed_kernel_matches_the_dequantised_matmul(scheme, monkeypatch):
         if scheme == "int8":  # (int4 has no such path: the packed kernel, checked above)
             bound = x.abs().amax(-1, keepdim=True) / 254 * w_abs + 1e-5 * want.abs().max()
             assert bool(((got - want).abs() <= bound).all())
+            # and it is that rounding, as documented: s_x = max|x_row| / 127, q_x = round(x / s_x)
+            # (the weights: the int8 codes times the kernel's bfloat16 row scales)
+            sx = x.double().abs().amax(-1, keepdim=True) / 127
+            exact = (torch.round(x.double() / sx) * sx) @ (kernel.data.double() * kernel.scale.double()[:, None]).T
+            assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
     assert calls == ([WIDE_ROWS, 24] if scheme == "int8" else [])
 
 
