@@ -67,6 +67,10 @@ PROFILE_VERSION = 5  # 5: the pass waits and the overlap used (drafting while th
 # list after the fourth); the plain step always runs last
 STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))
 MIN_STEP_SHAPES = 4
+# plain steps per mode and round: every choice is against plain decoding, and a plain step is
+# short (one width-1 pass), so it gets more samples than one: with one per round, profiles taken
+# minutes apart on a quiet machine put it between 0.084 and 0.098 s (2026-12-02)
+PLAIN_STEPS = 4
 PROFILE_VECTOR = AcceptanceVector((0.5, 0.2, 0.1, 0.05))  # shapes the timed trees (timing does not need the pair's)
 
 
@@ -365,7 +369,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
 def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs: bool = False):
     """Real speculation steps, greedy (bases[True]) and sampled (bases[False]), of the STEP_SHAPES
     the measured widths allow (at least MIN_STEP_SHAPES of them, more while the warm-up round
-    stays within a quarter of `budget_s`), then a plain step. A warm-up round first (untimed: fresh
+    stays within a quarter of `budget_s`), then plain steps (PLAIN_STEPS per round). A warm-up round first (untimed: fresh
     cache pages, first-use allocations, a draft catching up), then three timed rounds, each over
     every (mode, shape) in turn (two rounds when the budget is spent after two), so that a slow
     spell of a shared machine falls on one round of each. With `pairs` (the draft grows the next
@@ -377,7 +381,7 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
     widest = bases[True].target_tokens[-1]
     fits = [(n, d) for n, d in STEP_SHAPES if n <= widest and n <= engine.max_batch_tokens]
     per_shape = 2 if pairs else 1
-    capacity = PREFIX_TOKENS + 5 * per_shape * sum(d + 1 for _, d in fits) + 16
+    capacity = PREFIX_TOKENS + 5 * per_shape * sum(d + 1 for _, d in fits) + 4 * PLAIN_STEPS + 16
     ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
     decs, roots = {}, {}
     for greedy in (True, False):
@@ -414,7 +418,7 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
             break
         for shape in shapes:
             for greedy in (True, False):
-                for _ in range(per_shape if shape[0] > 1 else 1):
+                for _ in range(per_shape if shape[0] > 1 else PLAIN_STEPS):
                     runs[greedy, shape].append(one_step(greedy, *shape))
     # a step that started from levels grown ahead is counted at what it would have cost without
     # them (whole and draft part): the step model's draft work; the overlap is fitted apart
