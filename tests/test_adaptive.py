@@ -75,26 +75,6 @@ def test_timing_factors_follow_a_slower_machine_within_a_few_steps():
     assert t.factor("target") == pytest.approx(2.0, rel=0.05)
 
 
-def test_the_plain_reference_follows_the_passes_not_the_steps_constants():
-    """The plain step a run reports its speed-up against (when it made none) scales with the
-    measured passes only: tree steps whose passes take their predicted time but whose rest takes
-    0.1 s more raise the target factor and leave the plain reference alone; passes at twice
-    their prediction double it."""
-    base = Timings(NS, (1.0,) * len(NS), (1, 64), (0.01, 0.05), step_seconds=0.02, node_seconds=1e-4,
-                   plain_seconds=0.01)
-    widths = (1, 2, 4)
-    t = TimingEstimate(base)
-    for _ in range(12):
-        d = t.draft_part(8, widths)
-        t.observe(8, widths, StepTimes(draft=d, target=base.target(8), total=d + base.target(8) + 0.12))
-    assert t.factor("target") > 1.05
-    assert t.plain() == pytest.approx(base.plain(), rel=1e-6)
-    for _ in range(12):
-        d = t.draft_part(8, widths)
-        t.observe(8, widths, StepTimes(draft=d, target=2 * base.target(8), total=d + 2 * base.target(8)))
-    assert t.plain() == pytest.approx(2 * base.plain(), rel=1e-6)
-
-
 def test_timing_factors_with_overlap_a_faster_disk_and_a_draft_hidden_whole():
     """With the draft growing trees during the pass: the draft's part predicted before the pass
     is its work less the overlapped (a 0.9 s wait, half of it used: 0.3 s of 0.5 s work hidden

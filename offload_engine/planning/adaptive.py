@@ -125,7 +125,7 @@ class TimingEstimate:
 
     def __init__(self, base: Timings):
         self.base = base
-        self._ratios = {"target": deque(maxlen=WINDOW), "draft": deque(maxlen=WINDOW), "pass": deque(maxlen=WINDOW)}
+        self._ratios = {"target": deque(maxlen=WINDOW), "draft": deque(maxlen=WINDOW)}
 
     def factor(self, part: str) -> float:
         values = list(self._ratios[part])
@@ -147,7 +147,6 @@ class TimingEstimate:
 
     def observe(self, n: int, widths: tuple[int, ...], times: StepTimes) -> None:
         self._add("target", (times.target + times.rest) / self.target_part(n))
-        self._add("pass", times.target / self.base.target(n))
         predicted = self.draft_part(n, widths) if n > 1 else 0.0
         if predicted > 1e-9:  # (none when the pass before is predicted to have grown it all)
             self._add("draft", (times.draft - times.catch_up) / predicted)
@@ -155,14 +154,6 @@ class TimingEstimate:
     def _add(self, part: str, ratio: float) -> None:
         if ratio > 0 and ratio < float("inf"):
             self._ratios[part].append(ratio)
-
-    def plain(self) -> float:
-        """A plain step, for the speed-up a run reports when it made none: the profile's, scaled
-        by the passes alone (the part of a step that plain decoding shares: the same layers
-        streamed), not by `factor("target")`, whose steps' constants and per-node terms a plain
-        step does not pay (a (12,12) tree whose constants were 18% over the fit made a plain
-        reference 26% over the plain decoding measured right after it, 2026-12-02)."""
-        return self.base.plain() * self.factor("pass")
 
     def timings(self) -> Timings:
         """The profile's timings with the learned factors applied."""
@@ -576,4 +567,4 @@ class OnlinePlanner:
         self.replan_seconds += spent
 
     def predicted_plain(self) -> float:
-        return self.timing.plain()
+        return self.timing.timings().plain()
