@@ -13,6 +13,7 @@
 The sampled distribution with adaptation on is tested in test_speculative_distribution.py."""
 
 import random
+from dataclasses import replace
 from collections import Counter
 
 import pytest
@@ -168,15 +169,39 @@ def test_the_planner_ends_on_the_best_tree_for_the_truth_not_for_its_prior():
     # standard error of p_0 is about 0.05
     assert planner.accept.vector().probs[0] == pytest.approx(TRUE.probs[0], abs=0.12)
     assert planner.timing.factor("target") == pytest.approx(1.6, rel=0.1)
-    assert len(set(used[-50:])) <= 2  # settled
+    trees = [u for u in used[-50:] if u != (1, 1)]
+    assert len(set(trees)) <= 2  # settled (but for its plain checks: two plain steps every 48 tree steps)
+    assert len(used[-50:]) - len(trees) <= 2 * adaptive.PLAIN_CHECK_STEPS
 
 
 def test_no_flapping_when_the_truth_is_the_prior_and_times_are_noisy():
     base = _flat()
     planner = _planner(TRUE, base)
     used = _run(planner, World(TRUE, base, noise=0.15, seed=2), 200)
-    switches = sum(a != b for a, b in zip(used, used[1:]))
+    trees = [u for u in used if u != (1, 1)]  # (the plain checks are not switches of the choice)
+    switches = sum(a != b for a, b in zip(trees, trees[1:]))
     assert switches <= 4, Counter(used)
+    assert len(used) - len(trees) <= adaptive.PLAIN_CHECK_STEPS * (2 + 200 // adaptive.PLAIN_CHECK_EVERY)
+
+
+def test_a_plain_check_finds_plain_decoding_faster_than_the_profile_said(monkeypatch):
+    """The profile's plain step is 1.8x too slow (the trees' steps are as profiled): the tree
+    the profile chose pays under the profile, not in truth. Two plain steps after the first two
+    tree steps measure plain decoding, and the planner moves to it; with the checks turned off
+    it stays on the tree for good (its steps all match their predictions)."""
+    base = _flat(draft_s=0.15)
+    truth = replace(base, plain_seconds=-0.45 * base.target(1))  # plain: 0.55 of the profile's
+    tree = Candidates(TRUE, BUDGETS, 12).best(base)
+    assert tree.budget > 1 and truth.plain() < tree.seconds_per_token < base.plain()
+    planner = _planner(TRUE, base)
+    used = _run(planner, World(TRUE, truth, seed=7), 60)
+    assert used[:4] == [(tree.budget, tree.depth)] * 2 + [(1, 1)] * 2, used[:6]
+    assert planner.current.budget == 1 and used[-1] == (1, 1)
+    assert planner.timing.timings().plain() == pytest.approx(truth.plain(), rel=1e-6)
+    monkeypatch.setattr(adaptive, "PLAIN_CHECK_FIRST", 10**9)
+    unchecked = _planner(TRUE, base)
+    used = _run(unchecked, World(TRUE, truth, seed=7), 60)
+    assert set(used) == {(tree.budget, tree.depth)}
 
 
 def test_plain_when_no_tree_pays_probes_and_comes_back_when_the_draft_agrees(monkeypatch):
@@ -194,11 +219,11 @@ def test_plain_when_no_tree_pays_probes_and_comes_back_when_the_draft_agrees(mon
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= adaptive.PROBE_MAX, gaps
     # the draft starts to agree: the probes carry the evidence back and the tree returns
-    used = _run(planner, World(TRUE, base, seed=5), 300)
+    used = _run(planner, World(TRUE, base, seed=5), 400)
     assert planner.current.budget > 1 and used[-1] != (1, 1)
     # back on a tree that pays under the truth (the way back is slow: the evidence of the useless
-    # stretch fades only as tree steps come; measured: (4, 2) after 300 steps, where the truth's
-    # best is (32, 4))
+    # stretch fades only as tree steps come; measured: (4, 2) after about 350 steps, then (12, 3),
+    # where the truth's best is (32, 4))
     ours = Candidates(TRUE, BUDGETS, 12).choice(planner.current.budget, planner.current.depth, base)
     assert ours.seconds_per_token < base.plain(), planner.current
 

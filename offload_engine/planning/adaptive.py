@@ -25,7 +25,13 @@ generations). It switches only when the new choice is predicted HYSTERESIS faste
 current one under the same model (no flapping). When plain decoding wins, a step after
 PROBE_EVERY plain ones runs the best tree anyway, so that the evidence that would bring the
 tree back keeps coming; each probe after which plain decoding stays chosen doubles the wait (up
-to PROBE_MAX steps), so that a draft that does not pay costs little.
+to PROBE_MAX steps), so that a draft that does not pay costs little. The other way round, while
+a tree is chosen, a plain check of PLAIN_CHECK_STEPS plain steps runs after the first
+PLAIN_CHECK_FIRST tree steps and then every PLAIN_CHECK_EVERY: plain decoding's time is measured
+rather than carried over from the trees' steps (a tree's pass on the 2-vCPU machine cost 1.2x a
+plain one where the profile said 1.09x, so plain decoding predicted from the trees' factor was
+25-30% slow, 2026-12-02), and it is what every choice is weighed against; a run's speed-up over
+plain decoding is then against its own plain steps.
 
 With suffix drafts grafted on (`--draft X+suffix`), each step also chooses, before it runs, among
 the planner's tree alone ("model": plain decoding when that is the choice), the suffix proposal
@@ -68,6 +74,9 @@ EVERY = 4  # steps between re-plans
 HYSTERESIS = 0.05  # a new tree must be predicted this much faster
 PROBE_EVERY = 12  # plain steps before the first probe of the best tree
 PROBE_MAX = 48  # probes that keep plain decoding chosen double the wait up to this
+PLAIN_CHECK_STEPS = 2  # plain steps per check (a shape's first use is not timed: one is measured at first)
+PLAIN_CHECK_FIRST = 2  # tree steps before the first check
+PLAIN_CHECK_EVERY = 48  # tree steps between later checks (2 plain steps in 50: a few per cent at worst)
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
@@ -118,14 +127,15 @@ class AcceptanceEstimate:
 
 class TimingEstimate:
     """Factors on the profile's step model, learned from measured steps: `target` multiplies the
-    target's part (its pass over n nodes plus the step's constant and per-node terms; a plain
-    step's pass and draw), `draft` the draft's levels. Each is the median of the last WINDOW
-    steps' measured / predicted, the prior (1) filling the first PRIOR_STEPS places while fewer
-    steps are in."""
+    target's part of a tree step (its pass over n nodes plus the step's constant and per-node
+    terms), `draft` the draft's levels, each the median of the last WINDOW tree steps' measured /
+    predicted, the prior (1) filling the first PRIOR_STEPS places while fewer steps are in;
+    `plain` a plain step, the median of the last WINDOW plain steps' (none: the target's factor
+    stands in for it)."""
 
     def __init__(self, base: Timings):
         self.base = base
-        self._ratios = {"target": deque(maxlen=WINDOW), "draft": deque(maxlen=WINDOW)}
+        self._ratios = {"target": deque(maxlen=WINDOW), "draft": deque(maxlen=WINDOW), "plain": deque(maxlen=WINDOW)}
 
     def factor(self, part: str) -> float:
         values = list(self._ratios[part])
@@ -146,6 +156,13 @@ class TimingEstimate:
         return work - self.base.overlapped(n, work)
 
     def observe(self, n: int, widths: tuple[int, ...], times: StepTimes) -> None:
+        """A plain step (n == 1) teaches plain decoding's own factor only (no prior: these steps
+        are the thing itself); the trees' factors come from tree steps (while plain decoding is
+        chosen, from its probes), since a tree's pass and a plain one need not move together
+        (above)."""
+        if n == 1:
+            self._add("plain", (times.target + times.rest) / self.base.plain())
+            return
         self._add("target", (times.target + times.rest) / self.target_part(n))
         predicted = self.draft_part(n, widths) if n > 1 else 0.0
         if predicted > 1e-9:  # (none when the pass before is predicted to have grown it all)
@@ -155,13 +172,20 @@ class TimingEstimate:
         if ratio > 0 and ratio < float("inf"):
             self._ratios[part].append(ratio)
 
+    def plain_measured(self) -> bool:
+        return bool(self._ratios["plain"])
+
     def timings(self) -> Timings:
-        """The profile's timings with the learned factors applied."""
+        """The profile's timings with the learned factors applied; a plain step at its own
+        measured factor once plain steps have been timed (else at the target's)."""
         b, kt, kd = self.base, self.factor("target"), self.factor("draft")
+        plain_seconds = b.plain_seconds * kt
+        if self._ratios["plain"]:  # plain() = the profile's plain step times its measured ratio
+            plain_seconds = b.plain() * statistics.median(self._ratios["plain"]) - b.target(1) * kt
         return replace(b, target_seconds=tuple(t * kt for t in b.target_seconds),
                        idle_seconds=tuple(t * kt for t in b.idle_seconds),
                        draft_seconds=tuple(t * kd for t in b.draft_seconds), step_seconds=b.step_seconds * kt,
-                       node_seconds=b.node_seconds * kt, plain_seconds=b.plain_seconds * kt)
+                       node_seconds=b.node_seconds * kt, plain_seconds=plain_seconds)
 
 
 SUFFIX_BUCKETS = (1, 3, 6, 12)  # match lengths starting each bucket: 1-2, 3-5, 6-11, 12 and more
@@ -384,6 +408,8 @@ class OnlinePlanner:
         self.probe_wait = PROBE_EVERY
         self.probing = False
         self._probe_choice = self.current
+        self.tree_run = 0  # tree steps since the last plain check
+        self.checking = 0  # plain steps left in the plain check under way
         self._seen: set = set()  # tree shapes this planner has run
         self.decode_seconds = 0.0  # measured step time, all generations
         self.replan_seconds = 0.0  # re-planning time, all generations
@@ -398,6 +424,8 @@ class OnlinePlanner:
         return max(self.budgets or [1])
 
     def _next(self) -> Choice:
+        if self.checking:
+            return self.candidates.choice(1, 1, self.timing.timings())
         return self._probe_choice if self.probing else self.current
 
     def spec(self, choice: Choice | None = None) -> TreeSpec:
@@ -509,9 +537,15 @@ class OnlinePlanner:
             self._seen.add(shape)
         self.since_replan += 1
         was_probing, self.probing = self.probing, False
+        checked = False
+        if self.checking:
+            self.checking -= 1
+            checked = not self.checking
+        elif n > 1 and not was_probing:  # (a probe is not a step of the chosen tree)
+            self.tree_run += 1
         if self.current.budget == 1:
             self.plain_run += 1
-        if self.since_replan >= EVERY or was_probing:
+        if self.since_replan >= EVERY or was_probing or checked:
             self._replan()
         if was_probing:  # plain still chosen after a probe: wait longer before the next
             self.probe_wait = min(2 * self.probe_wait, PROBE_MAX) if self.current.budget == 1 else PROBE_EVERY
@@ -520,6 +554,9 @@ class OnlinePlanner:
             probe = self.candidates.best(self.timing.timings(), allow_plain=False)
             if probe.budget > 1:
                 self.probing, self._probe_choice = True, probe
+        if (self.current.budget > 1 and not self.probing and not self.checking
+                and self.tree_run >= (PLAIN_CHECK_EVERY if self.timing.plain_measured() else PLAIN_CHECK_FIRST)):
+            self.tree_run, self.checking = 0, PLAIN_CHECK_STEPS
         nxt = self.spec()
         return None if nxt == spec else nxt
 
@@ -558,6 +595,8 @@ class OnlinePlanner:
                 self.log.switches += 1
                 if best.budget > 1:
                     self.plain_run, self.probe_wait = 0, PROBE_EVERY
+                    if self.current.budget == 1:  # back on a tree: its own steps before a check
+                        self.tree_run = 0
             self.current = best
         else:
             self.current = now
