@@ -26,9 +26,10 @@ current one under the same model (no flapping). When plain decoding wins, a step
 PROBE_EVERY plain ones runs the best tree anyway, so that the evidence that would bring the
 tree back keeps coming; each probe after which plain decoding stays chosen doubles the wait (up
 to PROBE_MAX steps), so that a draft that does not pay costs little. The other way round, while
-a tree is chosen, a plain check of PLAIN_CHECK_STEPS plain steps runs after the first
-PLAIN_CHECK_FIRST tree steps and then every PLAIN_CHECK_EVERY: plain decoding's time is measured
-rather than carried over from the trees' steps (a tree's pass on the 2-vCPU machine cost 1.2x a
+a tree is chosen and predicted less than PLAIN_CHECK_BELOW times as fast as plain decoding (where
+an error in plain's prediction could change the choice), a plain check of PLAIN_CHECK_STEPS plain
+step runs after the first PLAIN_CHECK_FIRST tree steps and then every PLAIN_CHECK_EVERY: plain
+decoding's time is measured rather than carried over from the trees' steps (a tree's pass on the 2-vCPU machine cost 1.2x a
 plain one where the profile said 1.09x, so plain decoding predicted from the trees' factor was
 25-30% slow, 2026-12-02), and it is what every choice is weighed against; a run's speed-up over
 plain decoding is then against its own plain steps.
@@ -74,9 +75,10 @@ EVERY = 4  # steps between re-plans
 HYSTERESIS = 0.05  # a new tree must be predicted this much faster
 PROBE_EVERY = 12  # plain steps before the first probe of the best tree
 PROBE_MAX = 48  # probes that keep plain decoding chosen double the wait up to this
-PLAIN_CHECK_STEPS = 2  # plain steps per check (a shape's first use is not timed: one is measured at first)
+PLAIN_CHECK_STEPS = 1  # plain steps per check (a plain step is timed on its first use too)
 PLAIN_CHECK_FIRST = 2  # tree steps before the first check
-PLAIN_CHECK_EVERY = 48  # tree steps between later checks (2 plain steps in 50: a few per cent at worst)
+PLAIN_CHECK_EVERY = 48  # tree steps between later checks
+PLAIN_CHECK_BELOW = 2.0  # checks only while the tree is predicted less than this much faster than plain
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
@@ -531,7 +533,7 @@ class OnlinePlanner:
         shape = spec.shape()
         if n > 1 and arm != "suffix":
             self._observe_path(shape, result)
-        if not first_step and shape in self._seen and arm == "model":
+        if not first_step and (n == 1 or shape in self._seen) and arm == "model":  # (plain: no allocations)
             self.timing.observe(n, chosen.level_widths, times)
         if arm != "suffix":  # (a suffix step never ran the tree: its first use is still to come)
             self._seen.add(shape)
@@ -556,7 +558,11 @@ class OnlinePlanner:
                 self.probing, self._probe_choice = True, probe
         if (self.current.budget > 1 and not self.probing and not self.checking
                 and self.tree_run >= (PLAIN_CHECK_EVERY if self.timing.plain_measured() else PLAIN_CHECK_FIRST)):
-            self.tree_run, self.checking = 0, PLAIN_CHECK_STEPS
+            self.tree_run = 0
+            timings = self.timing.timings()
+            now = self._evaluate(self.current, timings)
+            if now is not None and now.seconds_per_token * PLAIN_CHECK_BELOW > timings.plain():
+                self.checking = PLAIN_CHECK_STEPS
         nxt = self.spec()
         return None if nxt == spec else nxt
 
