@@ -129,9 +129,12 @@ def _modes(budgets: list[int]) -> list[dict]:
 
 
 def _study_modes(hindsight: list[tuple[int, int]]) -> list[dict]:
+    # plain-control: plain-streamed's configuration again, a second engine loaded last: how far two
+    # identical rows of this run differ, the floor under every ratio the study reports
     return ([{"mode": "plain-streamed", "kind": "none", "draft": False}]
             + [{"mode": f"sequoia-{n},{d}", "kind": "sequoia", "budget": n, "depth": d} for n, d in hindsight]
-            + [{"mode": "sequoia-auto", "kind": "auto"}, {"mode": "auto-no-adapt", "kind": "auto", "adapt": False}])
+            + [{"mode": "sequoia-auto", "kind": "auto"}, {"mode": "auto-no-adapt", "kind": "auto", "adapt": False},
+               {"mode": "plain-control", "kind": "control", "draft": False}])
 
 
 def _suffix_modes(n: int, d: int) -> list[dict]:
@@ -345,6 +348,8 @@ def run(args: argparse.Namespace) -> dict:
         row["speedup_vs_plain_streamed"] = base["seconds_per_token"] / row["seconds_per_token"]
         row["equal_to_plain"] = (row["token_ids"] == plain_ids[row["temperature"]]
                                  if row["temperature"] == 0 else None)
+        if row["kind"] == "control":
+            row["vs_plain_paired"] = paired_ratio(base, row)
         if row["kind"] == "auto":
             best = next(r for r in rows if r["mode"] == "best-fixed" and r["temperature"] == row["temperature"])
             row["vs_best_fixed"] = best["seconds_per_token"] / row["seconds_per_token"]
@@ -407,6 +412,9 @@ def markdown(res: dict) -> str:
         if "vs_best_single" in r:
             mode += (f": {r['vs_best_single']:.2f}x the best single draft (per prompt, median "
                      f"{r['vs_best_single_paired']:.2f}x); {r['trees']}")
+        elif r["kind"] == "control":
+            mode += (f": plain-streamed run again, a second engine ({r['speedup_vs_plain_streamed']:.2f}x; per prompt, "
+                     f"median {r['vs_plain_paired']:.2f}x): the run's noise floor")
         elif "vs_best_fixed" in r:
             mode += (f": {r['vs_best_fixed']:.2f}x best fixed (per prompt, median {r['vs_best_fixed_paired']:.2f}x; "
                      f"{r['vs_plain_paired']:.2f}x plain); {r['trees']}")

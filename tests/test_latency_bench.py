@@ -61,7 +61,7 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
     assert main(_args(pair, tmp_path, "--auto-study", "--hindsight", "4,3 8,3", "--no-peer", "--fresh-profile")) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["mode"] for r in rows} == {"plain-streamed", "sequoia-4,3", "sequoia-8,3", "sequoia-auto",
-                                         "auto-no-adapt", "best-fixed"}
+                                         "auto-no-adapt", "plain-control", "best-fixed"}
     for t in (0.0, 0.6):
         at = {r["mode"]: r for r in rows if r["temperature"] == t}
         fixed = [at[m] for m in ("plain-streamed", "sequoia-4,3", "sequoia-8,3")]
@@ -81,6 +81,13 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
             assert len(r["per_prompt"]) == 3 and all(pp["predicted_seconds_per_token"] > 0 for pp in r["per_prompt"])
             assert "x" in r["trees"]
         assert at["auto-no-adapt"]["trees"].count(" x ") == 1  # one tree throughout
+        # the control: plain-streamed's configuration again (never the best fixed choice), its paired ratio
+        control = at["plain-control"]
+        assert control["tokens_per_step"] == 1.0 and control["equal_to_plain"] is (True if t == 0 else None)
+        assert at["best-fixed"]["best_fixed_mode"] != "plain-control"
+        ratios = sorted(b / a for a, b in zip(control["seconds_per_token_by_prompt"],
+                                               at["plain-streamed"]["seconds_per_token_by_prompt"]))
+        assert control["vs_plain_paired"] == pytest.approx(ratios[1])
     assert "best fixed" in capsys.readouterr().out
 
 
