@@ -144,11 +144,9 @@ class TimingEstimate:
         return statistics.median(values + [1.0] * max(0, PRIOR_STEPS - len(values)))
 
     def target_part(self, n: int) -> float:
-        """The profile's prediction for the target's part of a step (plain when n == 1), with
-        the floor `Timings.step` puts under a whole step."""
+        """The profile's prediction for the target's part of a tree step (n > 1; a plain step is
+        `base.plain()`), with the floor `Timings.step` puts under a whole step."""
         b = self.base
-        if n == 1:
-            return b.plain()
         return max(0.25 * b.target(n), b.target(n) + b.step_seconds + b.node_seconds * n)
 
     def draft_part(self, n: int, widths: tuple[int, ...]) -> float:
@@ -166,7 +164,7 @@ class TimingEstimate:
             self._add("plain", (times.target + times.rest) / self.base.plain())
             return
         self._add("target", (times.target + times.rest) / self.target_part(n))
-        predicted = self.draft_part(n, widths) if n > 1 else 0.0
+        predicted = self.draft_part(n, widths)
         if predicted > 1e-9:  # (none when the pass before is predicted to have grown it all)
             self._add("draft", (times.draft - times.catch_up) / predicted)
 

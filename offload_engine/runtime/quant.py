@@ -93,6 +93,13 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
     return (q * scale.float()[..., None] + minimum.float()[..., None]).reshape(N, -1)
 
 
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A fast matmul's probe output against the dequantised reference's: within 2e-2 of the
+    output's scale (bfloat16 activations and scales, or int8 ones, round to a few parts in a
+    thousand)."""
+    return bool((got - want).abs().max() <= 2e-2 * float(want.abs().max().clamp_min(1e-6)))
+
+
 @dataclass
 class QuantizedLinear:
     """A weight matrix [out_features, in_features] in int8 or int4, with its matmul."""
@@ -150,8 +157,7 @@ class QuantizedLinear:
             self.backend = "kernel"
             got = self.linear(probe).float()
             want = F.linear(probe, reference).float()
-            # bfloat16 activations and scales: a few parts in a thousand of the output's scale
-            if (got - want).abs().max() > 2e-2 * float(want.abs().max().clamp_min(1e-6)):
+            if not _agrees(got, want):
                 raise RuntimeError("packed kernel disagrees with the dequantised matmul")
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             self.data, self.scale, self.scale_zeros = saved
@@ -163,15 +169,15 @@ class QuantizedLinear:
             self.scale, self.minimum = self.scale_zeros, None
 
     def _try_wide(self, reference: torch.Tensor) -> None:
-        """Use the integer GEMM for wide inputs if it exists here and matches the reference (the
-        activations' rounding counted: the same 2e-2 of the output's scale)."""
+        """Use the integer GEMM for wide inputs if it exists here and matches the reference
+        (`_agrees`, the activations' rounding counted)."""
         probe = torch.randn(WIDE_ROWS + 3, self.in_features, generator=torch.Generator().manual_seed(1)).to(self.dtype)
         try:
             got = self._wide(probe)
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             return
         want = F.linear(probe, reference).float()
-        self.wide = bool((got - want).abs().max() <= 2e-2 * float(want.abs().max().clamp_min(1e-6)))
+        self.wide = _agrees(got, want)
 
     def _wide(self, x2: torch.Tensor) -> torch.Tensor:
         """[M, K] float activations -> [M, N] float32: x quantised per row, int8 x int8 -> int32."""
