@@ -102,6 +102,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="run only these modes (comma-separated names as in the table, e.g. suffix,suffix-rule); "
                         "plain-streamed always runs")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers + Accelerate row")
+    p.add_argument("--separate-engines", action="store_true",
+                   help="--auto-study: load an engine per mode (default: every mode but plain-control on one "
+                        "engine, Engine.variant, so that modes differ in decoding only)")
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time, each mode over all prompts (default: all engines loaded, the "
                         "modes interleaved prompt by prompt, so that noise on a shared machine hits all alike)")
@@ -129,12 +132,40 @@ def _modes(budgets: list[int]) -> list[dict]:
 
 
 def _study_modes(hindsight: list[tuple[int, int]]) -> list[dict]:
-    # plain-control: plain-streamed's configuration again, a second engine loaded last: how far two
-    # identical rows of this run differ, the floor under every ratio the study reports
-    return ([{"mode": "plain-streamed", "kind": "none", "draft": False}]
-            + [{"mode": f"sequoia-{n},{d}", "kind": "sequoia", "budget": n, "depth": d} for n, d in hindsight]
-            + [{"mode": "sequoia-auto", "kind": "auto"}, {"mode": "auto-no-adapt", "kind": "auto", "adapt": False},
+    # "variant": the mode runs on one engine shared by every such mode (`Engine.variant` of the
+    # auto engine: its kwargs), so that modes differ in decoding only: on 2 cores two identical
+    # engines in one process decoded 5-20% apart, persistently, while one engine measured against
+    # itself 0.99-1.00x. plain-again: plain-streamed once more on that engine, the floor under the
+    # study's ratios; plain-control: plain-streamed's configuration in a second engine of its own,
+    # how far two engines differ (never a variant)
+    return ([{"mode": "plain-streamed", "kind": "none", "draft": False, "variant": {"draft": False}}]
+            + [{"mode": f"sequoia-{n},{d}", "kind": "sequoia", "budget": n, "depth": d,
+                "variant": {"tree": "sequoia", "tree_budget": n, "tree_depth": d}} for n, d in hindsight]
+            + [{"mode": "sequoia-auto", "kind": "auto", "variant": {}},
+               {"mode": "auto-no-adapt", "kind": "auto", "adapt": False, "variant": {"adapt": False}},
+               {"mode": "plain-again", "kind": "control", "draft": False, "variant": {"draft": False}},
                {"mode": "plain-control", "kind": "control", "draft": False}])
+
+
+def _load_group(args, group: list[dict]) -> tuple[dict, list]:
+    """{mode: engine} for a group of modes, and the engines to close. Modes with a "variant"
+    share one engine loaded as --tree auto with the draft (unless --separate-engines)."""
+    owned, engines = [], {}
+    shared = [m for m in group if "variant" in m] if not getattr(args, "separate_engines", False) else []
+    try:
+        if shared:
+            base = _load(args, {"mode": "base", "kind": "auto"})
+            owned.append(base)
+            engines.update({m["mode"]: base.variant(**m["variant"]) for m in shared})
+        for m in group:
+            if m["mode"] not in engines:
+                engines[m["mode"]] = _load(args, m)
+                owned.append(engines[m["mode"]])
+    except BaseException:
+        for e in owned:
+            e.close()
+        raise
+    return engines, owned
 
 
 def _suffix_modes(n: int, d: int) -> list[dict]:
@@ -292,7 +323,7 @@ def run(args: argparse.Namespace) -> dict:
     # loads one engine at a time instead (a target that cannot be loaded several times over).
     groups = [[m] for m in modes] if args.sequential else [modes]
     for group in groups:
-        engines = {m["mode"]: _load(args, m) for m in group}
+        engines, owned = _load_group(args, group)
         try:
             for t in temps:
                 accs = {m["mode"]: _empty() for m in group}
@@ -331,7 +362,7 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"{m['mode']:16s} T={t:g}: {row['tokens_per_step']:.2f} tokens/step, "
                           f"{row['seconds_per_token']:.4f} s/token", file=sys.stderr, flush=True)
         finally:
-            for e in engines.values():
+            for e in owned:
                 e.close()
     for t in temps:  # the best fixed choice in hindsight: plain or a fixed Sequoia tree, on these prompts
         fixed = [r for r in rows if r["temperature"] == t and r["kind"] in ("none", "sequoia")
@@ -413,7 +444,8 @@ def markdown(res: dict) -> str:
             mode += (f": {r['vs_best_single']:.2f}x the best single draft (per prompt, median "
                      f"{r['vs_best_single_paired']:.2f}x); {r['trees']}")
         elif r["kind"] == "control":
-            mode += (f": plain-streamed run again, a second engine ({r['speedup_vs_plain_streamed']:.2f}x; per prompt, "
+            where = "the same engine" if r["mode"] == "plain-again" else "a second engine"
+            mode += (f": plain-streamed run again, {where} ({r['speedup_vs_plain_streamed']:.2f}x; per prompt, "
                      f"median {r['vs_plain_paired']:.2f}x): the run's noise floor")
         elif "vs_best_fixed" in r:
             mode += (f": {r['vs_best_fixed']:.2f}x best fixed (per prompt, median {r['vs_best_fixed_paired']:.2f}x; "

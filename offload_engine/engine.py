@@ -432,6 +432,45 @@ class Engine:
             for plan in self.auto_plans.values():
                 print(f"sequoia-offload: {plan.describe()}", file=sys.stderr)
 
+    def variant(self, *, draft: bool = True, tree: str | None = None, tree_budget: int | None = None,
+                tree_depth: int | None = None, specinfer_width: int = 4, adapt: bool | None = None) -> "Engine":
+        """Another decoding configuration over this engine's loaded models: the same target
+        weights, layer executor, buffers, KV caches (the prefix cache: reuse between the two is
+        exact, as between any two generations) and draft, with a tree, adaptation and planners
+        of its own. `draft=False`: plain decoding (the draft sits unused); `tree`: a fixed
+        tree kind with `tree_budget`/`tree_depth` (None: this engine's tree, `--tree auto`
+        included, with fresh planners); `adapt`: as `Engine.load`'s (None: this engine's).
+        Closing a variant closes nothing; the base engine owns the executor.
+
+        For comparisons of decoding modes (`benchmarks/latency.py --auto-study`): on a 2-core
+        machine two identical engines loaded in one process decoded 5-20% apart, persistently
+        and not always the same one of the two, while one engine alternating between two labels
+        measured 0.99-1.00x; variants hold the engine fixed and vary only the mode."""
+        v = object.__new__(Engine)
+        v.__dict__.update(self.__dict__)
+        v._base = self  # keeps the executor's owner alive
+        v._finalizer = weakref.finalize(v, lambda: None)
+        v.planners, v.gates = {}, {}
+        if adapt is not None:
+            v.adapt = adapt
+        if not draft or self.draft is None:
+            if draft and tree not in (None, "none"):
+                raise UserError(f"a {tree} tree needs a draft; this engine has none")
+            v.draft, v.tree, v.auto_plans, v.stored_acceptance = None, TreeSpec(), {}, {}
+            return v
+        if tree is not None and tree != "auto":
+            spec = _tree_spec(tree, 64 if tree_budget is None else tree_budget, 8 if tree_depth is None else tree_depth,
+                              specinfer_width, None)
+            if spec.max_nodes > self.max_batch_tokens:
+                raise UserError(f"a tree of {spec.max_nodes} nodes; this engine was loaded for passes of at most "
+                                f"{self.max_batch_tokens} tokens")
+            v.tree, v.auto_plans = spec, {}
+            v.stored_acceptance = (_usable_vectors(stored_vectors(self.target_fingerprint, self.draft_key), spec)
+                                   if tree == "sequoia" else {})
+        elif tree == "auto" and not self.auto_plans:
+            raise UserError("--tree auto: this engine was not loaded with it (it has no auto plans)")
+        return v
+
     def forget_prefix(self) -> None:
         """Drop the cached K/V of the last conversation (the next prompt is prefilled whole)."""
         if self.prefix_cache is not None:

@@ -58,10 +58,15 @@ def test_quick_run_writes_every_field(pair, tmp_path, monkeypatch, capsys):
 def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "measure", _fast_profile)
+    loads = []
+    real_load = latency._load
+    monkeypatch.setattr(latency, "_load", lambda args, m: loads.append(m["mode"]) or real_load(args, m))
     assert main(_args(pair, tmp_path, "--auto-study", "--hindsight", "4,3 8,3", "--no-peer", "--fresh-profile")) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["mode"] for r in rows} == {"plain-streamed", "sequoia-4,3", "sequoia-8,3", "sequoia-auto",
-                                         "auto-no-adapt", "plain-control", "best-fixed"}
+                                         "auto-no-adapt", "plain-again", "plain-control", "best-fixed"}
+    # every mode but plain-control runs on one engine (variants of the auto one): two loads in all
+    assert sorted(loads) == ["base", "plain-control", "x"]  # (x: the engine that finds the profile to forget)
     for t in (0.0, 0.6):
         at = {r["mode"]: r for r in rows if r["temperature"] == t}
         fixed = [at[m] for m in ("plain-streamed", "sequoia-4,3", "sequoia-8,3")]
@@ -82,13 +87,29 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
             assert "x" in r["trees"]
         assert at["auto-no-adapt"]["trees"].count(" x ") == 1  # one tree throughout
         # the control: plain-streamed's configuration again (never the best fixed choice), its paired ratio
-        control = at["plain-control"]
-        assert control["tokens_per_step"] == 1.0 and control["equal_to_plain"] is (True if t == 0 else None)
-        assert at["best-fixed"]["best_fixed_mode"] != "plain-control"
-        ratios = sorted(b / a for a, b in zip(control["seconds_per_token_by_prompt"],
-                                               at["plain-streamed"]["seconds_per_token_by_prompt"]))
-        assert control["vs_plain_paired"] == pytest.approx(ratios[1])
-    assert "best fixed" in capsys.readouterr().out
+        for name in ("plain-control", "plain-again"):
+            control = at[name]
+            assert control["tokens_per_step"] == 1.0 and control["equal_to_plain"] is (True if t == 0 else None)
+            assert at["best-fixed"]["best_fixed_mode"] != name
+            ratios = sorted(b / a for a, b in zip(control["seconds_per_token_by_prompt"],
+                                                   at["plain-streamed"]["seconds_per_token_by_prompt"]))
+            assert control["vs_plain_paired"] == pytest.approx(ratios[1])
+    out = capsys.readouterr().out
+    assert "best fixed" in out and "again, the same engine" in out and "again, a second engine" in out
+
+
+def test_auto_study_separate_engines_loads_one_engine_per_mode(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", _fast_profile)
+    loads = []
+    real_load = latency._load
+    monkeypatch.setattr(latency, "_load", lambda args, m: loads.append(m["mode"]) or real_load(args, m))
+    assert main(_args(pair, tmp_path, "--auto-study", "--hindsight", "4,3", "--no-peer", "--temperatures", "0",
+                      "--separate-engines")) == 0
+    assert sorted(loads) == sorted(["plain-streamed", "sequoia-4,3", "sequoia-auto", "auto-no-adapt", "plain-again",
+                                    "plain-control"])
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert all(r["equal_to_plain"] for r in rows)
 
 
 def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pair, tmp_path, monkeypatch, capsys):

@@ -1,0 +1,54 @@
+"""Engine.variant: decoding configurations over one loaded engine (what the auto study compares
+modes on). Each variant decodes as an engine loaded with its configuration would: greedy output
+equals plain decoding, the sampled output equals a separately loaded engine's for the same seed,
+its tree and planners are its own, and closing it leaves the base engine working."""
+
+import pytest
+
+import offload_engine.planning.profiler as profiler
+from offload_engine import Engine
+from offload_engine.errors import UserError
+from test_auto_tree import _fake_profile
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("variant") / "t", "llama3-gqa", layers=2, seed=5,
+                                init_std=0.05)
+
+
+def _gen(engine, temperature=0.0, seed=0):
+    engine.eos_token_ids = frozenset()
+    return engine.generate("Hello there", max_new_tokens=20, temperature=temperature, seed=seed)
+
+
+def test_variants_decode_as_their_own_engines_would(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine))
+    with Engine.load(target, draft="self-int8", tree="auto", offload="disk", progress=False) as base:
+        with Engine.load(target, offload="disk", progress=False) as lone:
+            plain_ids = _gen(lone).token_ids
+            plain_sampled = _gen(lone, 0.6, seed=3).token_ids
+        plain = base.variant(draft=False)
+        fixed = base.variant(tree="sequoia", tree_budget=8, tree_depth=3)
+        frozen = base.variant(adapt=False)
+        r = _gen(plain)
+        assert r.token_ids == plain_ids and r.stats["tree"] == "none" and r.stats["tokens_per_step"] == 1.0
+        # plain sampling on the variant draws what a plain engine draws for the same seed
+        assert _gen(plain, 0.6, seed=3).token_ids == plain_sampled
+        r = _gen(fixed)
+        assert r.token_ids == plain_ids and (r.stats["tree"], r.stats["tree_budget"]) == ("sequoia", 8)
+        assert r.stats["tokens_per_step"] > 1.0  # the int8 copy of a tiny model agrees with it: the tree pays
+        r = _gen(frozen)
+        assert r.token_ids == plain_ids and r.stats["auto"]["adapt"] is False
+        # planners are per variant: the base's stay untouched by its variants' generations
+        assert base.planners == {} and frozen.planners and not set(frozen.planners.values()) & set(plain.planners.values())
+        assert base.adapt is True and base.tree.kind == "sequoia" and base.draft is not None
+        plain.close()  # a variant owns nothing: the base engine still decodes
+        r = _gen(base)
+        assert r.token_ids == plain_ids and r.stats["auto"]["adapt"] is True
+        with pytest.raises(UserError, match="needs a draft"):
+            plain.variant(tree="sequoia")
+        with pytest.raises(UserError, match="at most"):
+            base.variant(tree="sequoia", tree_budget=base.max_batch_tokens + 1, tree_depth=4)
