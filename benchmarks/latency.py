@@ -104,7 +104,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip the transformers + Accelerate row")
     p.add_argument("--separate-engines", action="store_true",
                    help="--auto-study: load an engine per mode (default: every mode but plain-control on one "
-                        "engine, Engine.variant, so that modes differ in decoding only)")
+                        "engine, Engine.variant, so that modes differ in decoding only; --sequential, one mode "
+                        "at a time, also loads one per mode)")
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time, each mode over all prompts (default: all engines loaded, the "
                         "modes interleaved prompt by prompt, so that noise on a shared machine hits all alike)")
@@ -355,6 +356,7 @@ def run(args: argparse.Namespace) -> dict:
                         row["per_prompt"] = r["per_prompt"]
                         steps = sum((Counter(pp["tree_steps"]) for pp in r["per_prompt"]), Counter())
                         row["trees"] = describe_trees(steps)
+                    row["shared_engine"] = hasattr(engines[m["mode"]], "_base")  # a variant of the one engine
                     if m["mode"] == "plain-streamed":
                         plain_ids[t] = r["token_ids"]
                     row["token_ids"] = r["token_ids"]
@@ -444,7 +446,7 @@ def markdown(res: dict) -> str:
             mode += (f": {r['vs_best_single']:.2f}x the best single draft (per prompt, median "
                      f"{r['vs_best_single_paired']:.2f}x); {r['trees']}")
         elif r["kind"] == "control":
-            where = "the same engine" if r["mode"] == "plain-again" else "a second engine"
+            where = "the same engine" if r.get("shared_engine") else "a second engine"
             mode += (f": plain-streamed run again, {where} ({r['speedup_vs_plain_streamed']:.2f}x; per prompt, "
                      f"median {r['vs_plain_paired']:.2f}x): the run's noise floor")
         elif "vs_best_fixed" in r:

@@ -446,6 +446,8 @@ class Engine:
         machine two identical engines loaded in one process decoded 5-20% apart, persistently
         and not always the same one of the two, while one engine alternating between two labels
         measured 0.99-1.00x; variants hold the engine fixed and vary only the mode."""
+        if self.suffix_store is not None:  # (its store and gate would be shared by every variant)
+            raise UserError("Engine.variant: not for an engine with suffix drafts; load one engine per mode")
         v = object.__new__(Engine)
         v.__dict__.update(self.__dict__)
         v._base = self  # keeps the executor's owner alive

@@ -43,7 +43,11 @@ def test_variants_decode_as_their_own_engines_would(target, tmp_path, monkeypatc
         r = _gen(frozen)
         assert r.token_ids == plain_ids and r.stats["auto"]["adapt"] is False
         # planners are per variant: the base's stay untouched by its variants' generations
-        assert base.planners == {} and frozen.planners and not set(frozen.planners.values()) & set(plain.planners.values())
+        other = base.variant()
+        assert _gen(other).token_ids == plain_ids
+        assert base.planners == {} and frozen.planners and other.planners
+        assert not {id(p) for p in frozen.planners.values()} & {id(p) for p in other.planners.values()}
+        assert other.planners[0.0].adapt is True and frozen.planners[0.0].adapt is False
         assert base.adapt is True and base.tree.kind == "sequoia" and base.draft is not None
         plain.close()  # a variant owns nothing: the base engine still decodes
         r = _gen(base)
@@ -52,3 +56,11 @@ def test_variants_decode_as_their_own_engines_would(target, tmp_path, monkeypatc
             plain.variant(tree="sequoia")
         with pytest.raises(UserError, match="at most"):
             base.variant(tree="sequoia", tree_budget=base.max_batch_tokens + 1, tree_depth=4)
+        assert fixed.tree.depth == 3 and plain.draft is None
+
+
+def test_an_engine_with_suffix_drafts_has_no_variants(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with Engine.load(target, draft="suffix", offload="disk", progress=False) as engine:
+        with pytest.raises(UserError, match="suffix"):
+            engine.variant(draft=False)
