@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(args) -> dict:
+    from benchmarks.latency import decode_seconds_per_token
     from offload_engine import Engine
     from offload_engine.speculation.measure import read_prompts
     prompts = read_prompts(args.prompts)[: args.limit]
@@ -38,7 +39,7 @@ def run(args) -> dict:
                 for label in ("AB" if (r + i) % 2 == 0 else "BA"):
                     engine = engines[0 if label == "A" or args.engines == 1 else 1]
                     s = engine.generate(**item, max_new_tokens=args.max_new_tokens, temperature=0.0, seed=i).stats
-                    times[label].append((s["seconds"] - s["prefill_seconds"]) / max(1, s["new_tokens"] - 1))
+                    times[label].append(decode_seconds_per_token(s))
     finally:
         for e in engines:
             e.close()

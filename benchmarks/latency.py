@@ -133,31 +133,40 @@ def _modes(budgets: list[int]) -> list[dict]:
 
 
 def _study_modes(hindsight: list[tuple[int, int]]) -> list[dict]:
-    # "variant": the mode runs on one engine shared by every such mode (`Engine.variant` of the
-    # auto engine: its kwargs), so that modes differ in decoding only: on 2 cores two identical
+    # "shared": the mode runs on one engine shared by every such mode (`Engine.variant` of the
+    # auto engine), so that modes differ in decoding only: on 2 cores two identical
     # engines in one process decoded 5-20% apart, persistently, while one engine measured against
     # itself 0.99-1.00x. plain-again: plain-streamed once more on that engine, the floor under the
     # study's ratios; plain-control: plain-streamed's configuration in a second engine of its own,
     # how far two engines differ (never a variant)
-    return ([{"mode": "plain-streamed", "kind": "none", "draft": False, "variant": {"draft": False}}]
-            + [{"mode": f"sequoia-{n},{d}", "kind": "sequoia", "budget": n, "depth": d,
-                "variant": {"tree": "sequoia", "tree_budget": n, "tree_depth": d}} for n, d in hindsight]
-            + [{"mode": "sequoia-auto", "kind": "auto", "variant": {}},
-               {"mode": "auto-no-adapt", "kind": "auto", "adapt": False, "variant": {"adapt": False}},
-               {"mode": "plain-again", "kind": "control", "draft": False, "variant": {"draft": False}},
+    return ([{"mode": "plain-streamed", "kind": "none", "draft": False, "shared": True}]
+            + [{"mode": f"sequoia-{n},{d}", "kind": "sequoia", "budget": n, "depth": d, "shared": True}
+               for n, d in hindsight]
+            + [{"mode": "sequoia-auto", "kind": "auto", "shared": True},
+               {"mode": "auto-no-adapt", "kind": "auto", "adapt": False, "shared": True},
+               {"mode": "plain-again", "kind": "control", "draft": False, "shared": True},
                {"mode": "plain-control", "kind": "control", "draft": False}])
 
 
+def _variant_kwargs(m: dict) -> dict:
+    """`Engine.variant`'s keywords for a mode that `_load` would load as its own engine."""
+    if not m.get("draft", True):
+        return {"draft": False}
+    if m["kind"] == "sequoia":
+        return {"tree": "sequoia", "tree_budget": m["budget"], "tree_depth": m["depth"]}
+    return {"adapt": m.get("adapt", True)}
+
+
 def _load_group(args, group: list[dict]) -> tuple[dict, list]:
-    """{mode: engine} for a group of modes, and the engines to close. Modes with a "variant"
-    share one engine loaded as --tree auto with the draft (unless --separate-engines)."""
+    """{mode: engine} for a group of modes, and the engines to close. "shared" modes are variants
+    of one engine loaded as --tree auto with the draft (unless --separate-engines)."""
     owned, engines = [], {}
-    shared = [m for m in group if "variant" in m] if not getattr(args, "separate_engines", False) else []
+    shared = [m for m in group if m.get("shared")] if not getattr(args, "separate_engines", False) else []
     try:
         if shared:
             base = _load(args, {"mode": "base", "kind": "auto"})
             owned.append(base)
-            engines.update({m["mode"]: base.variant(**m["variant"]) for m in shared})
+            engines.update({m["mode"]: base.variant(**_variant_kwargs(m)) for m in shared})
         for m in group:
             if m["mode"] not in engines:
                 engines[m["mode"]] = _load(args, m)
@@ -215,12 +224,17 @@ def _empty() -> dict:
             "by_prompt": []}
 
 
+def decode_seconds_per_token(stats: dict) -> float:
+    """A generation's decode time per token (prefill excluded: the first token comes from it)."""
+    return (stats["seconds"] - stats["prefill_seconds"]) / max(1, stats["new_tokens"] - 1)
+
+
 def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_tokens: int) -> None:
     r = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=temperature, seed=i)
     s = r.stats
     acc["decode_seconds"] += s["seconds"] - s["prefill_seconds"]
     acc["tokens"] += s["new_tokens"] - 1  # the first token comes from the prefill pass
-    acc["by_prompt"].append((s["seconds"] - s["prefill_seconds"]) / max(1, s["new_tokens"] - 1))
+    acc["by_prompt"].append(decode_seconds_per_token(s))
     acc["steps"] += s["target_steps"]
     acc["target_passes"] += s["target_passes"]
     acc["bytes_streamed"] += s["bytes_streamed"]
@@ -240,7 +254,7 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     if s.get("auto"):  # each generation: predicted at its start, forecast step by step, measured
         a = s["auto"]
         acc["per_prompt"].append({
-            "prompt": i, "measured_seconds_per_token": (s["seconds"] - s["prefill_seconds"]) / max(1, s["new_tokens"] - 1),
+            "prompt": i, "measured_seconds_per_token": decode_seconds_per_token(s),
             "predicted_seconds_per_token": a["predicted_seconds_per_token"], "start_tree": [a["budget"], a["depth"]],
             "forecast_seconds_per_token": a["forecast_seconds_per_token"], "trees": a["trees"],
             "tree_steps": a["tree_steps"]})
@@ -356,7 +370,7 @@ def run(args: argparse.Namespace) -> dict:
                         row["per_prompt"] = r["per_prompt"]
                         steps = sum((Counter(pp["tree_steps"]) for pp in r["per_prompt"]), Counter())
                         row["trees"] = describe_trees(steps)
-                    row["shared_engine"] = hasattr(engines[m["mode"]], "_base")  # a variant of the one engine
+                    row["shared_engine"] = all(e is not engines[m["mode"]] for e in owned)  # a variant
                     if m["mode"] == "plain-streamed":
                         plain_ids[t] = r["token_ids"]
                     row["token_ids"] = r["token_ids"]

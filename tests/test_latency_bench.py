@@ -29,6 +29,14 @@ def _args(pair, tmp_path, *extra):
             "--quick", "--out", str(tmp_path / "r.json"), *extra]
 
 
+@pytest.fixture
+def loads(monkeypatch) -> list:
+    """The modes `latency._load` loads an engine for, in order."""
+    seen, real_load = [], latency._load
+    monkeypatch.setattr(latency, "_load", lambda args, m: seen.append(m["mode"]) or real_load(args, m))
+    return seen
+
+
 def _fast_profile(engine, *a, **k):
     from test_auto_tree import _fake_profile
     return _fake_profile(engine)
@@ -55,12 +63,9 @@ def test_quick_run_writes_every_field(pair, tmp_path, monkeypatch, capsys):
     assert "| sequoia-16 | 0 |" in out and "peer: transformers+accelerate" in out
 
 
-def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tmp_path, monkeypatch, capsys):
+def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tmp_path, monkeypatch, capsys, loads):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "measure", _fast_profile)
-    loads = []
-    real_load = latency._load
-    monkeypatch.setattr(latency, "_load", lambda args, m: loads.append(m["mode"]) or real_load(args, m))
     assert main(_args(pair, tmp_path, "--auto-study", "--hindsight", "4,3 8,3", "--no-peer", "--fresh-profile")) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["mode"] for r in rows} == {"plain-streamed", "sequoia-4,3", "sequoia-8,3", "sequoia-auto",
@@ -98,12 +103,9 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
     assert "best fixed" in out and "again, the same engine" in out and "again, a second engine" in out
 
 
-def test_auto_study_separate_engines_loads_one_engine_per_mode(pair, tmp_path, monkeypatch):
+def test_auto_study_separate_engines_loads_one_engine_per_mode(pair, tmp_path, monkeypatch, loads):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "measure", _fast_profile)
-    loads = []
-    real_load = latency._load
-    monkeypatch.setattr(latency, "_load", lambda args, m: loads.append(m["mode"]) or real_load(args, m))
     assert main(_args(pair, tmp_path, "--auto-study", "--hindsight", "4,3", "--no-peer", "--temperatures", "0",
                       "--separate-engines")) == 0
     assert sorted(loads) == sorted(["plain-streamed", "sequoia-4,3", "sequoia-auto", "auto-no-adapt", "plain-again",
