@@ -4,7 +4,9 @@
     draft resident, the profile `--tree auto` uses) and the pair's stored acceptance vector
     predicts the seconds per token of real runs with `--tree auto --no-adapt` (greedy, T=0), and of fixed
     Sequoia trees (`--trees`), measured here over `--prompts` prompts of benchmarks/prompts.jsonl
-    (decode time only: prefill excluded, as the prediction is per decoding step);
+    (decode time only: prefill excluded, as the prediction is per decoding step), the trees taking
+    turns prompt by prompt, with each step's parts (the draft, the pass and the rest) measured and
+    predicted;
 (b) the Sequoia paper's L40 setting: Llama-2-70B fp16 streamed from pinned RAM (every layer, as
     in the paper's offloading runs), a Llama-2-7B draft, tree (768, 18) at the paper's 10.30
     tokens/step (T=0): the predicted seconds per token against the published 0.66 (and plain
@@ -29,19 +31,24 @@ TOLERANCE = 0.15
 PAPER = {"seconds_per_token": 0.66, "plain_seconds_per_token": 5.7, "tokens_per_step": 10.30, "tree": (768, 18)}
 
 
-def _run(engine, prompts, max_new_tokens) -> tuple[float, int, int]:
-    decode_s = tokens = steps = 0
-    for item in prompts:
-        s = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=0.0).stats
-        decode_s += s["seconds"] - s["prefill_seconds"]
-        tokens += s["new_tokens"] - 1  # the first token comes from the prefill
-        steps += s["target_steps"]
-    return decode_s, tokens, steps
+def _run_one(engine, item, max_new_tokens, acc: dict) -> None:
+    """One greedy generation, its decode time (prefill excluded), tokens, steps and step parts
+    added to `acc`."""
+    s = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=0.0).stats
+    acc["decode_s"] += s["seconds"] - s["prefill_seconds"]
+    acc["tokens"] += s["new_tokens"] - 1  # the first token comes from the prefill
+    acc["steps"] += s["target_steps"]
+    split = s["step_split"]
+    acc["draft_s"] += split["draft_before_pass"]
+    acc["target_s"] += split["target_pass"] + split["draft_overlapped"] + split["rest"]
+    acc["per_prompt"].append((s["seconds"] - s["prefill_seconds"]) / max(1, s["new_tokens"] - 1))
 
 
 def check_machine(args) -> dict:
     """--tree auto's choice, and fixed Sequoia trees (so that speculative steps are checked even
-    where auto chooses plain decoding), each predicted from the profile and then run."""
+    where auto chooses plain decoding), each predicted from the profile and then run. The trees
+    take turns prompt by prompt (the order rotating), so that a slow spell of a shared machine
+    falls on every tree alike instead of on whichever ran then."""
     from offload_engine import Engine
     from offload_engine.planning import profiler, simulator
     from offload_engine.speculation.measure import read_prompts
@@ -51,25 +58,44 @@ def check_machine(args) -> dict:
     engine = Engine.load("default", tree="auto", adapt=False, progress=True, **common)
     prof, path, _ = profiler.cached_or_measured(engine, progress=True)
     plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
-    rows = []
+    factor = prof.timings(greedy=True).draft_factor
+    configs = []
     for tree in [None] + [tuple(int(x) for x in t.split(",")) for t in args.trees.split()]:
         sim = simulator.simulate_measured(prof, None, 0.0, tree=tree)  # the pair's vector, as auto finds it
         # every tree on the one engine (a variant: the same target, executor and draft), since
         # two engines loaded in one process decode up to 20% apart here (benchmarks/engine_pair.py)
         run_engine = engine if tree is None else engine.variant(tree="sequoia", tree_budget=tree[0],
                                                                 tree_depth=tree[1])
-        decode_s, tokens, steps = _run(run_engine, prompts, args.max_new_tokens)
-        measured, predicted = decode_s / tokens, sim.choice.seconds_per_token
-        rows.append({"mode": "auto" if tree is None else "sequoia", "tree": [sim.choice.budget, sim.choice.depth],
-                     "predicted_tokens_per_step": sim.choice.tokens_per_step, "measured_tokens_per_step": tokens / steps,
-                     "predicted_seconds_per_step": sim.choice.seconds_per_step,
-                     "measured_seconds_per_step": decode_s / steps,
+        acc = dict.fromkeys(("decode_s", "tokens", "steps", "draft_s", "target_s"), 0.0)
+        acc["per_prompt"] = []
+        configs.append((tree, sim, run_engine, acc))
+    for k, item in enumerate(prompts):
+        for j in range(len(configs)):
+            _, _, run_engine, acc = configs[(j + k) % len(configs)]
+            _run_one(run_engine, item, args.max_new_tokens, acc)
+    rows = []
+    for tree, sim, _, acc in configs:
+        c = sim.choice
+        measured, predicted = acc["decode_s"] / acc["tokens"], c.seconds_per_token
+        draft_pred = 0.0 if c.budget == 1 else factor * c.draft_seconds - c.overlap_seconds
+        rows.append({"mode": "auto" if tree is None else "sequoia", "tree": [c.budget, c.depth],
+                     "predicted_tokens_per_step": c.tokens_per_step, "measured_tokens_per_step": acc["tokens"] / acc["steps"],
+                     "predicted_seconds_per_step": c.seconds_per_step,
+                     "measured_seconds_per_step": acc["decode_s"] / acc["steps"],
+                     # the step's parts: the draft before the pass; the rest (the pass, verification, commits)
+                     "predicted_draft_seconds_per_step": draft_pred,
+                     "measured_draft_seconds_per_step": acc["draft_s"] / acc["steps"],
+                     "predicted_target_seconds_per_step": c.seconds_per_step - draft_pred,
+                     "measured_target_seconds_per_step": acc["target_s"] / acc["steps"],
+                     "measured_seconds_per_token_by_prompt": acc["per_prompt"],
                      "predicted_seconds_per_token": predicted, "measured_seconds_per_token": measured,
                      "error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE})
     engine.close()
     return {"profile": str(path), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
+            "fit_cv_error_greedy": prof.fit_cv_error_greedy,
+            "shaped_by_pair_vector": bool(prof.fit_vector_greedy),
             "rows": rows, "within_tolerance": all(r["within_tolerance"] for r in rows),
-            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
+            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "interleaved": True}
 
 
 def check_paper() -> dict:
@@ -112,7 +138,9 @@ def main(argv=None) -> int:
                   f"{r['predicted_seconds_per_token']:.4f} s/token ({r['predicted_tokens_per_step']:.2f} tokens/step, "
                   f"{r['predicted_seconds_per_step']:.3f} s/step) vs measured {r['measured_seconds_per_token']:.4f} "
                   f"({r['measured_tokens_per_step']:.2f} tokens/step, {r['measured_seconds_per_step']:.3f} s/step): "
-                  f"{r['error']:+.1%}")
+                  f"{r['error']:+.1%}; step parts predicted / measured: draft {r['predicted_draft_seconds_per_step']:.3f} "
+                  f"/ {r['measured_draft_seconds_per_step']:.3f} s, pass and the rest "
+                  f"{r['predicted_target_seconds_per_step']:.3f} / {r['measured_target_seconds_per_step']:.3f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     ok = all(v["within_tolerance"] for k, v in out.items() if isinstance(v, dict))

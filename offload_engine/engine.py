@@ -421,11 +421,13 @@ class Engine:
                    progress: bool) -> None:
         from .planning import auto_tree, profiler
         from .speculation import measure
+        # the vectors first: a profile measured now shapes its timed steps' trees by the pair's
+        # own (`profiler.shaping_vectors`), the trees the optimizer will then choose among
+        vectors = ({0.0: (acceptance, Path("given"))} if acceptance is not None
+                   else measure.vectors_for(self, progress))
         prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
             print(f"sequoia-offload: {'measured' if fresh else 'using'} the machine profile {path}", file=sys.stderr)
-        vectors = ({0.0: (acceptance, Path("given"))} if acceptance is not None
-                   else measure.vectors_for(self, progress))
         self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth)
         self.planners = {}  # made per request temperature on first use (`_planner`)
         if progress:

@@ -116,6 +116,8 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
     assert 0 < prof.fit_cv_error < 5 and 0 < prof.fit_cv_error_greedy < 5 and prof.draft_factor >= 0
     printed = capsys.readouterr().out
     assert "measured:" in printed and "cross-validated error" in printed and "| plain |" in printed
+    # no vector for this pair yet: the generic one shaped the timed trees, and the profile says so
+    assert prof.fit_vector == prof.fit_vector_greedy == () and "shaped by a generic acceptance vector" in printed
     assert main(args) == 0
     assert "cached:" in capsys.readouterr().out
     good = json.loads(out.read_text())
@@ -132,7 +134,10 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
                             ({"draft_factor": "1"}, "'draft_factor' must be a number, got '1'"),
                             ({"draft_factor": -0.5}, "'draft_factor' must be >= 0"),
                             ({"fit_depths": good["fit_depths"][:-1]}, "'fit_budgets' and 'fit_depths' differ"),
-                            ({"fit_step_s": [0.1] * len(good["fit_budgets"]) + [0.1]}, "differ in length")):
+                            ({"fit_step_s": [0.1] * len(good["fit_budgets"]) + [0.1]}, "differ in length"),
+                            ({"fit_vector": [0.7, 0.6]}, "'fit_vector' is not an acceptance vector"),
+                            ({"fit_vector_greedy": [0.5, "x"]}, "'fit_vector_greedy' must be a number"),
+                            ({"fit_vector_greedy": 0.5}, "'fit_vector_greedy' must be a list")):
         out.write_text(json.dumps({**good, **change}).replace("Infinity", "1e400"))
         with pytest.raises(UserError, match=message):
             load_measured(out)
@@ -142,6 +147,54 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
     cached.write_text("{not json")
     assert main(args) == 0
     assert "measured:" in capsys.readouterr().out
+
+
+def test_the_timed_steps_trees_are_shaped_by_the_pairs_own_vectors(pair, tmp_path, monkeypatch, capsys):
+    """With a vector cached for the pair, the profile's timed tree steps are the trees the
+    optimizer will choose among for it (the greedy steps shaped by the T=0 vector, the sampled
+    ones by the sampled vector), and the profile records both; the step model is fitted to
+    those trees' level widths."""
+    from offload_engine import Engine
+    from offload_engine.speculation.acceptance_store import acceptance_cache_dir
+    from offload_engine.speculation.decoder import SpeculativeDecoder
+    from sequoia_trees.acceptance import AcceptanceVector
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with Engine.load(str(pair), device="cpu", draft="self-int8", tree="sequoia", offload="disk") as engine:
+        fp, dkey = engine.target_fingerprint, engine.draft_key
+    vectors = {0.0: (0.9, 0.05, 0.02), 0.6: (0.3, 0.3, 0.2)}
+    acceptance_cache_dir().mkdir(parents=True)
+    for t, probs in vectors.items():
+        (acceptance_cache_dir() / f"pair-t{t:g}.json").write_text(json.dumps(
+            {"acceptance": list(probs), "temperature": t, "target_fingerprint": fp, "draft_key": dkey}))
+    used = []  # every timed tree step's (greedy, the vector shaping its tree)
+    real_set_spec = SpeculativeDecoder.set_spec
+
+    def set_spec(self, spec):
+        if spec.kind == "sequoia":
+            used.append((self.params.greedy, spec.acceptance.probs))
+        return real_set_spec(self, spec)
+    monkeypatch.setattr(SpeculativeDecoder, "set_spec", set_spec)
+    fitted = []
+    real_fit = profiler.fit_step_model
+    monkeypatch.setattr(profiler, "fit_step_model", lambda *a: fitted.append(a[3]) or real_fit(*a))
+    out = tmp_path / "p.json"
+    assert main(["profile", "--target", str(pair), "--device", "cpu", "--draft", "self-int8", "--offload", "disk",
+                 "--budget-s", "10", "--out", str(out)]) == 0
+    prof = load_measured(out)
+    assert prof.fit_vector_greedy == vectors[0.0] and prof.fit_vector == vectors[0.6]
+    assert used and {greedy for greedy, _ in used} == {True, False}
+    assert all(probs == vectors[0.0 if greedy else 0.6] for greedy, probs in used)
+    assert [v.probs for v in fitted] == [vectors[0.0], vectors[0.6]]
+    assert "greedy steps' trees shaped by the pair's acceptance vector: [0.900, 0.050, 0.020]" in capsys.readouterr().out
+    # a vector too narrow for every timed shape (no (16, 4) tree with 2 children a node) is not used
+    (acceptance_cache_dir() / "pair-t0.json").write_text(json.dumps(
+        {"acceptance": [0.9, 0.05], "temperature": 0.0, "target_fingerprint": fp, "draft_key": dkey}))
+    with Engine.load(str(pair), device="cpu", draft="self-int8", tree="sequoia", offload="disk") as engine:
+        shaping = profiler.shaping_vectors(engine)
+    assert shaping[True] == profiler.PROFILE_VECTOR and shaping[False].probs == vectors[0.6]
+    # the widths differ from the generic vector's, which is why this matters
+    assert profiler.step_widths(AcceptanceVector(vectors[0.0]), 16, 4) != \
+        profiler.step_widths(profiler.PROFILE_VECTOR, 16, 4)
 
 
 def test_a_second_draft_on_the_same_target_and_plan_reuses_the_targets_part(pair, tmp_path, monkeypatch):

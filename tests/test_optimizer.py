@@ -121,6 +121,30 @@ def test_the_step_model_fitted_to_real_steps_recovers_known_parts():
     assert cv < 0.02
 
 
+def test_the_step_model_is_fitted_to_the_trees_that_were_timed():
+    """Steps timed on trees shaped by another vector (the pair's) are fitted with that vector's
+    level widths: the known draft factor comes back; read with the generic vector's widths, the
+    same steps give a wrong factor."""
+    from offload_engine.planning import profiler
+    ns = (1, 16, 32, 64, 128, 256)
+    # a level's cost far from proportional to its width (as on the 2-vCPU machine)
+    base = Timings(ns, tuple(0.2 + 0.002 * n for n in ns), (1, 2, 16, 64, 256), (0.03, 0.06, 0.08, 0.2, 0.5))
+    pair = AcceptanceVector((0.8, 0.1, 0.04))
+    shapes = [(64, 8), (4, 3), (16, 4), (128, 10), (1, 1)]
+    times = []
+    for n, d in shapes:
+        if n == 1:
+            times.append((base.target(1), 0.0, base.target(1)))
+            continue
+        draft = 0.8 * sum(base.draft(w) for w in profiler.step_widths(pair, n, d))
+        target = base.target(n) + 0.02
+        times.append((draft + target, draft, target))
+    a, b, f, _, cv = profiler.fit_step_model(shapes, times, base, pair)
+    assert f == pytest.approx(0.8, abs=1e-6) and a == pytest.approx(0.02, abs=1e-6) and cv < 1e-6
+    _, _, wrong, _, wrong_cv = profiler.fit_step_model(shapes, times, base)  # the generic vector's widths
+    assert abs(wrong - 0.8) > 0.05 and wrong_cv > 0.01
+
+
 def test_overlapped_draft_work_fills_the_pass_waits_and_no_more():
     """Timings.step with overlap: step = max(pass, pass - idle + overlapped) + (draft work -
     overlapped) + a + b*n, overlapped = overlap_use * min(draft work, idle); the figures below

@@ -571,6 +571,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print("| real step (nodes, levels) | greedy s | sampled s |\n|---|---:|---:|")
         for n, d, tg, ts in zip(prof.fit_budgets, prof.fit_depths, prof.fit_step_greedy_s, prof.fit_step_s):
             print(f"| {'plain' if n == 1 else f'({n}, {d})'} | {tg:.4f} | {ts:.4f} |")
+        for name, vec in (("greedy", prof.fit_vector_greedy), ("sampled", prof.fit_vector)):
+            shown = ", ".join(f"{p:.3f}" for p in (vec or profiler.PROFILE_VECTOR.probs)[:6])
+            whose = "the pair's" if vec else "a generic"
+            print(f"the {name} steps' trees shaped by {whose} acceptance vector: "
+                  f"[{shown}{', ...' if len(vec) > 6 else ''}]")
     for name, g in (("greedy", True), ("sampled", False)):
         t = prof.timings(greedy=g)
         cv = prof.fit_cv_error_greedy if g else prof.fit_cv_error

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sequoia_trees.acceptance import AcceptanceVector
+
 from ..errors import UserError
 from ..fsutil import INSTALL_ROOT
 
@@ -99,6 +101,10 @@ class MeasuredProfile:
     target_idle_s: tuple[float, ...] = ()
     overlap_use: float = 0.0
     overlap_use_greedy: float = 0.0
+    # the acceptance vectors that shaped the timed steps' trees, sampled and greedy (the pair's
+    # own where it had one; profiles before them: profiler.PROFILE_VECTOR)
+    fit_vector: tuple[float, ...] = ()
+    fit_vector_greedy: tuple[float, ...] = ()
 
     def timings(self, greedy: bool = False):
         """The optimizer's input for greedy or sampled decoding: times made non-decreasing in
@@ -122,7 +128,8 @@ class MeasuredProfile:
 
 # numeric fields that may be zero; one that may be negative; every other number must be > 0
 _MAY_BE_ZERO = {"stream_gb_per_s", "measure_s", "draft_factor", "draft_factor_greedy", "fit_cv_error",
-                "fit_cv_error_greedy", "target_idle_s", "overlap_use", "overlap_use_greedy"}
+                "fit_cv_error_greedy", "target_idle_s", "overlap_use", "overlap_use_greedy", "fit_vector",
+                "fit_vector_greedy"}
 _SIGNED = {"step_residual_s", "step_residual_greedy_s", "step_per_node_s", "step_per_node_greedy_s", "plain_step_s",
            "plain_step_greedy_s"}
 
@@ -239,7 +246,16 @@ def load_measured(path: Path) -> MeasuredProfile:
         prof.timings(greedy=True), prof.timings(greedy=False)
     except ValueError as e:
         raise UserError(f"{path}: {e}") from None
-    return prof
+    vectors = {}
+    for name in ("fit_vector", "fit_vector_greedy"):
+        probs = getattr(prof, name)
+        try:
+            if probs:
+                AcceptanceVector(tuple(_check_number(path, name, p, "") for p in probs))
+        except ValueError as e:
+            raise UserError(f"{path}: field {name!r} is not an acceptance vector ({e})") from None
+        vectors[name] = tuple(float(p) for p in probs)
+    return dataclasses.replace(prof, **vectors)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
-PROFILE_VERSION = 5  # 5: the pass waits and the overlap used (drafting while the target streams)
+PROFILE_VERSION = 6  # 5: the pass waits and the overlap used (drafting while the target streams); 6: the
+# timed steps' trees shaped by the pair's own vectors (`shaping_vectors`)
 # the real steps timed for the step model, most informative first (the time budget may cut the
 # list after the fourth); the plain step always runs last
 STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))
@@ -71,7 +72,37 @@ MIN_STEP_SHAPES = 4
 # short (one width-1 pass), so it gets more samples than one: with one per round, profiles taken
 # minutes apart on a quiet machine put it between 0.084 and 0.098 s (2026-12-02)
 PLAIN_STEPS = 4
-PROFILE_VECTOR = AcceptanceVector((0.5, 0.2, 0.1, 0.05))  # shapes the timed trees (timing does not need the pair's)
+# shapes the timed trees when the pair has no vector yet; with one, its own vectors shape them
+# (`shaping_vectors`), so that a timed (n, d) step has the levels the optimizer will run: this
+# vector's (64, 8) tree has 8 levels, the default pair's T=0 vector's 6 and wider ones, and a draft
+# level's cost is far from proportional to its width (on the 2-vCPU machine a width-1 level took
+# 35 ms alone, a width-16 one 82), so a draft factor fitted to one set of shapes misprices the other
+PROFILE_VECTOR = AcceptanceVector((0.5, 0.2, 0.1, 0.05))
+
+
+def shaping_vectors(engine) -> dict[bool, AcceptanceVector]:
+    """The vectors that shape the timed steps' trees, greedy (True) and sampled (False): the
+    pair's own, stored or cached (the nearest to T=0, and to T=0.6 among the sampled ones), else
+    PROFILE_VECTOR, also where the pair's cannot shape every one of STEP_SHAPES (a vector of
+    width 2 has no (16, 4) tree)."""
+    from ..speculation.acceptance_store import known_vectors, nearest
+    found = known_vectors(getattr(engine, "target_fingerprint", None), getattr(engine, "draft_key", None))
+    out = {True: PROFILE_VECTOR, False: PROFILE_VECTOR}
+    for greedy, t in ((True, 0.0), (False, 0.6)):
+        same_kind = {k: v for k, v in found.items() if (k == 0) == greedy} or found
+        if same_kind:
+            vector = nearest(same_kind, t)[0]
+            k = vector.width
+            if all(sum(k ** i for i in range(d)) >= n for n, d in STEP_SHAPES):  # room for n nodes in d levels
+                out[greedy] = vector
+    return out
+
+
+def step_widths(vector: AcceptanceVector, n: int, d: int) -> tuple[int, ...]:
+    """The level widths of the optimal (n, d) tree for `vector` (the timed steps' trees)."""
+    from sequoia_trees.dp import TreeTable
+    from sequoia_trees.optimizer import level_widths
+    return tuple(level_widths(TreeTable(vector, n, d).tree(n, d)))
 
 
 def machine_name(device: torch.device) -> str:
@@ -341,10 +372,11 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
              for greedy, dt in ((True, dts_greedy), (False, dts))}
     steps_budget = min(budget_s * 0.2, max(0.0, budget_s - (time.perf_counter() - started)))
     overlap = bool(getattr(engine, "overlap", False)) and executor is not None
-    shapes, times, ahead = _time_steps(engine, bases, g, steps_budget, pairs=overlap)
-    fits = {greedy: fit_step_model(shapes, times[greedy], bases[greedy]) for greedy in (True, False)}
+    vectors = shaping_vectors(engine)
+    shapes, times, ahead = _time_steps(engine, bases, g, steps_budget, pairs=overlap, vectors=vectors)
+    fits = {greedy: fit_step_model(shapes, times[greedy], bases[greedy], vectors[greedy]) for greedy in (True, False)}
     uses = {greedy: fit_overlap_use(shapes, ahead[greedy], replace(bases[greedy], draft_factor=fits[greedy][2],
-                                                                    idle_seconds=idle_s))
+                                                                    idle_seconds=idle_s), vectors[greedy])
             if overlap else 0.0 for greedy in (True, False)}
     bar.update(1)
     bar.close()
@@ -363,10 +395,17 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
         fit_budgets=tuple(n for n, _ in shapes), fit_depths=tuple(d for _, d in shapes),
         fit_step_s=tuple(t[0] for t in times[False]), fit_step_greedy_s=tuple(t[0] for t in times[True]),
         fit_cv_error=cv_s,
-        fit_cv_error_greedy=cv_g, target_idle_s=idle_s, overlap_use=uses[False], overlap_use_greedy=uses[True])
+        fit_cv_error_greedy=cv_g, target_idle_s=idle_s, overlap_use=uses[False], overlap_use_greedy=uses[True],
+        fit_vector=_own(vectors[False]), fit_vector_greedy=_own(vectors[True]))
 
 
-def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs: bool = False):
+def _own(vector: AcceptanceVector) -> tuple[float, ...]:
+    """A profile's record of the vector that shaped its steps: () for the generic PROFILE_VECTOR."""
+    return () if vector == PROFILE_VECTOR else vector.probs
+
+
+def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs: bool = False,
+                vectors: dict[bool, AcceptanceVector] | None = None):
     """Real speculation steps, greedy (bases[True]) and sampled (bases[False]), of the STEP_SHAPES
     the measured widths allow (at least MIN_STEP_SHAPES of them, more while the warm-up round
     stays within a quarter of `budget_s`), then plain steps (PLAIN_STEPS per round). A warm-up round first (untimed: fresh
@@ -376,7 +415,9 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
     tree during the pass) each (mode, shape) runs two steps back to back, both timed: the second
     may start from a tree the first grew ahead (the shape changes between pairs, which drops one).
     Returns the shapes ((1, 1) for plain) and, per mode, for each shape the medians of (whole
-    step, draft part, target part), and each timed step's levels grown ahead (in run order)."""
+    step, draft part, target part), and each timed step's levels grown ahead (in run order).
+    vectors: per mode (greedy True), the vector that shapes its trees (PROFILE_VECTOR by default)."""
+    vectors = vectors or {True: PROFILE_VECTOR, False: PROFILE_VECTOR}
     from ..speculation.decoder import SpeculativeDecoder, TreeSpec
     widest = bases[True].target_tokens[-1]
     fits = [(n, d) for n, d in STEP_SHAPES if n <= widest and n <= engine.max_batch_tokens]
@@ -395,7 +436,7 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
 
     def one_step(greedy, n, d):
         dec = decs[greedy]
-        dec.set_spec(TreeSpec("sequoia", n, d, acceptance=PROFILE_VECTOR) if n > 1 else TreeSpec())
+        dec.set_spec(TreeSpec("sequoia", n, d, acceptance=vectors[greedy]) if n > 1 else TreeSpec())
         whole = _timed(lambda: roots.__setitem__(greedy, dec.step(roots[greedy]).tokens[-1]), device)
         t = dec.last_times  # a tree step after the plain one first catches the draft up: not its cost
         return whole - t.catch_up, t.draft - t.catch_up, t.target, t.ahead_levels
@@ -422,45 +463,44 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
                     runs[greedy, shape].append(one_step(greedy, *shape))
     # a step that started from levels grown ahead is counted at what it would have cost without
     # them (whole and draft part): the step model's draft work; the overlap is fitted apart
-    times = {greedy: [tuple(statistics.median(x[i] + (_saved(bases[greedy], shape, x[3]) if i < 2 else 0.0)
+    times = {greedy: [tuple(statistics.median(x[i] + (_saved(bases[greedy], shape, x[3], vectors[greedy])
+                                                      if i < 2 else 0.0)
                                               for x in runs[greedy, shape]) for i in range(3))
                       for shape in shapes] for greedy in (True, False)}
     ahead = {greedy: [[x[3] for x in runs[greedy, shape]] for shape in shapes] for greedy in (True, False)}
     return shapes, times, ahead
 
 
-def _saved(base: Timings, shape: tuple[int, int], ahead_levels: int) -> float:
+def _saved(base: Timings, shape: tuple[int, int], ahead_levels: int,
+           vector: AcceptanceVector = PROFILE_VECTOR) -> float:
     """The draft time a step did not pay because its first `ahead_levels` levels were grown
-    during the pass before it: those levels at the profile's level times."""
+    during the pass before it: those levels (of the tree `vector` shapes) at the profile's level times."""
     if not ahead_levels:
         return 0.0
-    from sequoia_trees.dp import TreeTable
-    from sequoia_trees.optimizer import level_widths
-    n, d = shape
-    return sum(base.draft(w) for w in level_widths(TreeTable(PROFILE_VECTOR, n, d).tree(n, d))[:ahead_levels])
+    return sum(base.draft(w) for w in step_widths(vector, *shape)[:ahead_levels])
 
 
-def fit_overlap_use(shapes: list[tuple[int, int]], ahead: list[list[int]], base: Timings) -> float:
+def fit_overlap_use(shapes: list[tuple[int, int]], ahead: list[list[int]], base: Timings,
+                    vector: AcceptanceVector = PROFILE_VECTOR) -> float:
     """The share of the draft work that fits in a pass's waits which the next step used
     (`Timings.overlap_use`), from the timed tree steps that followed a step of their own shape
     (the second of each pair; `ahead`: each step's levels grown ahead, in pairs): the draft
     time they saved (`_saved`) over the draft work `base` says could have been grown during
-    the pass before (min(the tree's draft work, base.idle(n))). 0 when no pass waits."""
-    from sequoia_trees.dp import TreeTable
-    from sequoia_trees.optimizer import level_widths
+    the pass before (min(the tree's draft work, base.idle(n))). 0 when no pass waits. `vector`
+    shaped the timed trees."""
     saved = room = 0.0
     for (n, d), levels in zip(shapes, ahead):
         if n == 1:
             continue
-        work = base.draft_factor * sum(base.draft(w) for w in level_widths(TreeTable(PROFILE_VECTOR, n, d).tree(n, d)))
+        work = base.draft_factor * sum(base.draft(w) for w in step_widths(vector, n, d))
         for second in levels[1::2]:  # (the levels at what a step pays for them: f times their own)
-            saved += base.draft_factor * _saved(base, (n, d), second)
+            saved += base.draft_factor * _saved(base, (n, d), second, vector)
             room += min(work, base.idle(n))
     return min(1.0, saved / room) if room > 0 else 0.0
 
 
 def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float, float]],
-                   base) -> tuple[float, float, float, float, float]:
+                   base, vector: AcceptanceVector = PROFILE_VECTOR) -> tuple[float, float, float, float, float]:
     """(a, b, f, plain, cv error) of the step model fitted to measured steps, each given as
     (whole, draft part, target part) seconds. A tree step of n nodes in levels of widths w costs
     base.target(n) + f * D + a + b * n, D = sum(base.draft(w)); each part is fitted on its own by
@@ -469,15 +509,12 @@ def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float
     base.target(n) + a_t + b * n (b = 0 with fewer than three shapes), the rest (commits) as a
     constant; a = a_t + the rest. A plain step costs base.target(1) + plain. The cv error is the
     mean of |predicted / measured - 1| of the whole tree steps, each predicted from a fit to the
-    other shapes (0 with fewer than two)."""
+    other shapes (0 with fewer than two). `vector` shaped the timed trees (their level widths)."""
     import numpy as np
-    from sequoia_trees.dp import TreeTable
-    from sequoia_trees.optimizer import level_widths
     rows = []  # (n, D, whole, draft part, target part)
     for (n, d), t in zip(shapes, times):
         if n > 1:
-            widths = level_widths(TreeTable(PROFILE_VECTOR, n, d).tree(n, d))
-            rows.append((n, sum(base.draft(w) for w in widths), *t))
+            rows.append((n, sum(base.draft(w) for w in step_widths(vector, n, d)), *t))
     plain = [t[0] - base.target(1) for (n, _), t in zip(shapes, times) if n == 1]
 
     def solve(sub):
