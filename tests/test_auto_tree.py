@@ -197,6 +197,25 @@ def test_the_timed_steps_trees_are_shaped_by_the_pairs_own_vectors(pair, tmp_pat
         profiler.step_widths(profiler.PROFILE_VECTOR, 16, 4)
 
 
+def test_the_passes_and_levels_are_timed_again_between_the_steps_rounds(pair, tmp_path, monkeypatch):
+    """The repeats of the isolated passes and draft levels are taken in the rounds of the real
+    steps (two rounds, each after some steps and before others), not back to back before them:
+    a slow spell then falls on one timing of each and the medians drop it, instead of making
+    every pass look slow beside the steps."""
+    from offload_engine.speculation.decoder import SpeculativeDecoder
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    log = []
+    real_step, real_round = SpeculativeDecoder.step, profiler._Repeats.round
+    monkeypatch.setattr(SpeculativeDecoder, "step", lambda self, root: log.append("step") or real_step(self, root))
+    monkeypatch.setattr(profiler._Repeats, "round", lambda self: log.append(f"repeat {len(self.again)}") or real_round(self))
+    assert main(["profile", "--target", str(pair), "--device", "cpu", "--draft", "self-int8", "--offload", "disk",
+                 "--budget-s", "10", "--force"]) == 0
+    repeats = [k for k, e in enumerate(log) if e.startswith("repeat")]
+    assert len(repeats) == 4  # two rounds, each of the passes and of the levels
+    assert all(int(log[k].split()[1]) > 0 for k in repeats)  # (every timing here is short: all repeated)
+    assert "step" in log[:repeats[0]] and "step" in log[repeats[1]:repeats[2]] and "step" in log[repeats[-1]:]
+
+
 def test_a_second_draft_on_the_same_target_and_plan_reuses_the_targets_part(pair, tmp_path, monkeypatch):
     """The target's passes (and their waits, and the bandwidth) are the same whatever the draft:
     profiling a second draft on the same target, plan and machine times only its levels and

@@ -235,16 +235,26 @@ def disk_read_gbps(engine, max_bytes: int = 1 << 30) -> float:
     return moved / (time.perf_counter() - t0) / 1e9
 
 
-def _rounds(jobs: dict, first: dict, device: torch.device, rounds: int = 3, long_s: float = 0.5) -> dict:
-    """The median of `rounds` timings of each job whose first timing (given) is under `long_s`,
-    the repeats taken round-robin over the jobs, not back to back: a slow spell of a shared
-    machine then falls on one round of every job, and the medians leave it out."""
-    times = {k: [t] for k, t in first.items()}
-    again = [k for k, t in first.items() if t < long_s]
-    for _ in range(rounds - 1):
-        for k in again:
-            times[k].append(_timed(jobs[k], device))
-    return {k: statistics.median(v) for k, v in times.items()}
+class _Repeats:
+    """Timings taken again later, one round at a time, between rounds of other work: the median
+    of `rounds` timings of each job whose first timing (given) is under `long_s` (the rest keep
+    their one). The profile takes the repeats of its passes and draft levels in the rounds of its
+    real steps, so that a slow spell of a shared machine falls on one round of every job (passes,
+    levels and steps alike) and the medians leave it out; taken phase by phase, a spell during
+    the passes alone made every pass look slow beside the steps, and the fit then read the
+    difference as a per-step constant (-0.10 s on a 0.13 s plain step, 2026-12-03)."""
+
+    def __init__(self, jobs: dict, first: dict, device: torch.device, long_s: float = 0.5):
+        self.jobs, self.device = jobs, device
+        self.times = {k: [t] for k, t in first.items()}
+        self.again = [k for k, t in first.items() if t < long_s]
+
+    def round(self) -> None:
+        for k in self.again:
+            self.times[k].append(_timed(self.jobs[k], self.device))
+
+    def medians(self) -> dict:
+        return {k: statistics.median(v) for k, v in self.times.items()}
 
 
 def _tree_inputs(n: int, past: int, device: torch.device, generator: torch.Generator, vocab: int):
@@ -279,6 +289,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
         ns = [n for n in shared["target_tokens"] if n <= engine.max_batch_tokens]
         ts = list(shared["target_pass_s"][:len(ns)])
         idle_s = tuple(shared["target_idle_s"][:len(ns)])
+        pass_repeats = None  # (timed when it was measured)
         bar.update(1 + len(TARGET_WIDTHS))
     else:
         # 1. streaming bandwidth
@@ -326,10 +337,8 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
             passes[n] = target_pass(n)
             measured[n] = _timed(passes[n], device)
             bar.update(1)
-        measured = _rounds(passes, measured, device)
-        ns, ts = sorted(measured), [measured[n] for n in sorted(measured)]
-        # the waits of the same passes (the median, never more than the pass's own median)
-        idle_s = tuple(min(statistics.median(idles[n]), t) for n, t in zip(ns, ts)) if executor is not None else ()
+        pass_repeats = _Repeats(passes, measured, device)  # (taken again between the steps' rounds)
+        ns = sorted(measured)
         if ns[-1] < widths[-1]:
             print(f"sequoia-offload: warning: the profile's time budget ({budget_s:g} s) ran out before a "
                   f"{widths[-1]}-token pass; trees above {ns[-1]} nodes will not be considered "
@@ -364,16 +373,34 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
             levels[w, greedy] = draft_level(w, greedy)
             first[w, greedy] = _timed(levels[w, greedy], draft.device)
         bar.update(1)
-    dmeasured = _rounds(levels, first, draft.device)
-    ws = sorted({w for w, _ in dmeasured})
-    dts_greedy, dts = [dmeasured[w, True] for w in ws], [dmeasured[w, False] for w in ws]
+    level_repeats = _Repeats(levels, first, draft.device)
+    ws = sorted({w for w, _ in first})
+
+    def bases_now() -> dict:
+        """The passes' and levels' medians so far, as the optimizer's base timings, greedy and sampled."""
+        tm = pass_repeats.medians() if pass_repeats is not None else dict(zip(ns, ts))
+        dm = level_repeats.medians()
+        return {greedy: Timings(tuple(ns), tuple(accumulate((tm[n] for n in ns), max)), tuple(ws),
+                                tuple(accumulate((dm[w, greedy] for w in ws), max))) for greedy in (True, False)}
+
+    def repeat_round() -> None:  # one more timing of every short pass and level, between the steps' rounds
+        if pass_repeats is not None:
+            pass_repeats.round()
+        level_repeats.round()
+
     # 4. real steps of several shapes, greedy and sampled, timed whole: the step model fitted to them
-    bases = {greedy: Timings(tuple(ns), tuple(accumulate(ts, max)), tuple(ws), tuple(accumulate(dt, max)))
-             for greedy, dt in ((True, dts_greedy), (False, dts))}
     steps_budget = min(budget_s * 0.2, max(0.0, budget_s - (time.perf_counter() - started)))
     overlap = bool(getattr(engine, "overlap", False)) and executor is not None
     vectors = shaping_vectors(engine)
-    shapes, times, ahead = _time_steps(engine, bases, g, steps_budget, pairs=overlap, vectors=vectors)
+    shapes, times, ahead = _time_steps(engine, bases_now(), g, steps_budget, pairs=overlap, vectors=vectors,
+                                       between=repeat_round)
+    bases = bases_now()
+    if pass_repeats is not None:
+        ts = [pass_repeats.medians()[n] for n in ns]
+    dts_greedy, dts = ([level_repeats.medians()[w, greedy] for w in ws] for greedy in (True, False))
+    # the waits of the same passes (the median, never more than the pass's own median)
+    if pass_repeats is not None:
+        idle_s = tuple(min(statistics.median(idles[n]), t) for n, t in zip(ns, ts)) if executor is not None else ()
     fits = {greedy: fit_step_model(shapes, times[greedy], bases[greedy], vectors[greedy]) for greedy in (True, False)}
     uses = {greedy: fit_overlap_use(shapes, ahead[greedy], replace(bases[greedy], draft_factor=fits[greedy][2],
                                                                     idle_seconds=idle_s), vectors[greedy])
@@ -405,7 +432,7 @@ def _own(vector: AcceptanceVector) -> tuple[float, ...]:
 
 
 def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs: bool = False,
-                vectors: dict[bool, AcceptanceVector] | None = None):
+                vectors: dict[bool, AcceptanceVector] | None = None, between=None):
     """Real speculation steps, greedy (bases[True]) and sampled (bases[False]), of the STEP_SHAPES
     the measured widths allow (at least MIN_STEP_SHAPES of them, more while the warm-up round
     stays within a quarter of `budget_s`), then plain steps (PLAIN_STEPS per round). A warm-up round first (untimed: fresh
@@ -416,7 +443,9 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
     may start from a tree the first grew ahead (the shape changes between pairs, which drops one).
     Returns the shapes ((1, 1) for plain) and, per mode, for each shape the medians of (whole
     step, draft part, target part), and each timed step's levels grown ahead (in run order).
-    vectors: per mode (greedy True), the vector that shapes its trees (PROFILE_VECTOR by default)."""
+    vectors: per mode (greedy True), the vector that shapes its trees (PROFILE_VECTOR by default).
+    between: called before each of the first two timed rounds (the profile's passes and levels
+    timed again there, in the same spell as the steps)."""
     vectors = vectors or {True: PROFILE_VECTOR, False: PROFILE_VECTOR}
     from ..speculation.decoder import SpeculativeDecoder, TreeSpec
     widest = bases[True].target_tokens[-1]
@@ -457,6 +486,8 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
     for r in range(3):
         if r == 2 and time.perf_counter() - started > budget_s * per_shape:
             break
+        if between is not None and r < 2:
+            between()
         for shape in shapes:
             for greedy in (True, False):
                 for _ in range(per_shape if shape[0] > 1 else PLAIN_STEPS):
