@@ -25,8 +25,11 @@ For one loaded engine (target placed by its plan, draft resident) it measures:
     left.
 Greedy and sampled decoding get their own draft times and step models: sampling costs more per
 node. Every timing under half a second (every step) is the median of three, the repeats taken
-round-robin over the widths (the shapes, both modes), not back to back: a slow spell of a shared
-machine then falls on one repeat of each, and the medians leave it out.
+round-robin over the widths (the shapes, both modes), not back to back, and the passes' and
+levels' repeats in the rounds of the real steps (`_Repeats`): a slow spell of a shared machine
+then falls on one repeat of each, and the medians leave it out. The timed trees are shaped by the
+pair's own acceptance vectors where it has them (`shaping_vectors`): the trees the optimizer
+will choose among.
 
 The profile is cached under <cache>/profiles/, keyed by the machine, the device and dtype, the
 pair's fingerprints and the placement plan: another plan is another machine as far as timing goes.
@@ -58,7 +61,10 @@ from ..fsutil import atomic_write_text, cache_root
 from ..runtime.placement import fmt_bytes
 from .hw_profile import MeasuredProfile, load_measured
 
-TARGET_WIDTHS = (1, 16, 32, 64, 128, 256, 512, 768, 1024)
+# the narrow widths too: the small trees a CPU or an on-chip target chooses are priced there, and
+# t(n) is not linear below 16 (2-vCPU machine, 2026-12-03: a 2-node pass 0.18 s, a 1-node one 0.13,
+# a 16-node one 0.24; interpolated between 1 and 16, a (2, 2) tree's step was predicted 24% short)
+TARGET_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
@@ -327,7 +333,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
         # first), so that a budget spent early still spans the whole range (the optimizer only
         # searches measured widths, interpolating between them); a pass under 0.5 s is the median
         # of three, the same rule for every width
-        order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 64, 256, 768, 32) if n in widths[1:-1]]
+        order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 2, 64, 4, 256, 8, 768, 32) if n in widths[1:-1]]
         target_budget = budget_s * 0.5
         measured: dict[int, float] = {}
         passes = {}
