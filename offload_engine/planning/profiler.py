@@ -24,12 +24,13 @@ For one loaded engine (target placed by its plan, draft resident) it measures:
     grown ahead). `Timings.step` then models a step as max(pass, overlapped) + the draft work
     left.
 Greedy and sampled decoding get their own draft times and step models: sampling costs more per
-node. Every timing under half a second (every step) is the median of three, the repeats taken
-round-robin over the widths (the shapes, both modes), not back to back, and the passes' and
-levels' repeats in the rounds of the real steps (`_Repeats`): a slow spell of a shared machine
-then falls on one repeat of each, and the medians leave it out. The timed trees are shaped by the
-pair's own acceptance vectors where it has them (`shaping_vectors`): the trees the optimizer
-will choose among.
+node. Every timing under half a second (every step; a pass: under a second) is the median of
+three, the repeats taken round-robin over the widths (the shapes, both modes), not back to back,
+and the passes' and levels' repeats in the rounds of the real steps (`_Repeats`): a slow spell of
+a shared machine then falls on one repeat of each, and the medians leave it out. The timed trees
+are shaped by the pair's own acceptance vectors where it has them (`shaping_vectors`): the trees
+the optimizer will choose among. The step model's terms are chosen by cross-validation
+(`fit_step_model`).
 
 The profile is cached under <cache>/profiles/, keyed by the machine, the device and dtype, the
 pair's fingerprints and the placement plan: another plan is another machine as far as timing goes.
@@ -74,6 +75,9 @@ PROFILE_VERSION = 6  # 5: the pass waits and the overlap used (drafting while th
 # list after the fourth); the plain step always runs last
 STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))
 MIN_STEP_SHAPES = 4
+# the target part's terms the step model may fit (`fit_step_model`), the fullest first: the one
+# whose leave-one-shape-out error is lowest is kept (a tie keeps the fuller)
+STEP_TERMS = ("constant and per node", "constant", "none")
 # plain steps per mode and round: every choice is against plain decoding, and a plain step is
 # short (one width-1 pass), so it gets more samples than one: with one per round, profiles taken
 # minutes apart on a quiet machine put it between 0.084 and 0.098 s (2026-12-02)
@@ -331,7 +335,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
         idles.clear()
         # the narrowest and the widest pass first, then the widths between (the most informative
         # first), so that a budget spent early still spans the whole range (the optimizer only
-        # searches measured widths, interpolating between them); a pass under 0.5 s is the median
+        # searches measured widths, interpolating between them); a pass under 1 s is the median
         # of three, the same rule for every width
         order = [widths[0], widths[-1]] + [n for n in (128, 512, 16, 2, 64, 4, 256, 8, 768, 32) if n in widths[1:-1]]
         target_budget = budget_s * 0.5
@@ -343,7 +347,9 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
             passes[n] = target_pass(n)
             measured[n] = _timed(passes[n], device)
             bar.update(1)
-        pass_repeats = _Repeats(passes, measured, device)  # (taken again between the steps' rounds)
+        # taken again between the steps' rounds; every pass under a second (the widths a CPU's trees
+        # use: a 64-token pass timed once, in a slow spell, had been 0.65 s between 0.25 and 0.78)
+        pass_repeats = _Repeats(passes, measured, device, long_s=1.0)
         ns = sorted(measured)
         if ns[-1] < widths[-1]:
             print(f"sequoia-offload: warning: the profile's time budget ({budget_s:g} s) ran out before a "
@@ -543,10 +549,16 @@ def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float
     base.target(n) + f * D + a + b * n, D = sum(base.draft(w)); each part is fitted on its own by
     least squares (better conditioned than one fit of the whole): the draft part as f * D, the
     target part (pass and verification; the loader's prefetch during the draft shows here) as
-    base.target(n) + a_t + b * n (b = 0 with fewer than three shapes), the rest (commits) as a
-    constant; a = a_t + the rest. A plain step costs base.target(1) + plain. The cv error is the
-    mean of |predicted / measured - 1| of the whole tree steps, each predicted from a fit to the
-    other shapes (0 with fewer than two). `vector` shaped the timed trees (their level widths)."""
+    base.target(n) + a_t + b * n (a_t alone: the median), the rest (commits) as a constant;
+    a = a_t + the rest. Which
+    terms the target part gets (a_t and b, a_t alone, neither; b needs three shapes) is chosen
+    by cross-validation (STEP_TERMS): four or five shapes, each a median of three timings on a
+    shared machine, do not always carry a per-node slope, and one slow pass among the isolated
+    ones made a fitted b of -1.8 ms/node that cut a (16, 4) step by 20% (validate_simulator
+    run 9). A plain step costs base.target(1) + plain. The cv error is the mean of
+    |predicted / measured - 1| of the whole tree steps, each predicted from a fit to the other
+    shapes (0 with fewer than two), of the terms chosen. `vector` shaped the timed trees (their
+    level widths)."""
     import numpy as np
     rows = []  # (n, D, whole, draft part, target part)
     for (n, d), t in zip(shapes, times):
@@ -554,23 +566,33 @@ def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float
             rows.append((n, sum(base.draft(w) for w in step_widths(vector, n, d)), *t))
     plain = [t[0] - base.target(1) for (n, _), t in zip(shapes, times) if n == 1]
 
-    def solve(sub):
+    def solve(sub, terms):
         if not sub:
             return 0.0, 0.0, 1.0
         n, dm, whole, dpart, tpart = (np.array([r[i] for r in sub], dtype=np.float64) for i in range(5))
         f = float(min(max((dm @ dpart) / max(dm @ dm, 1e-30), 0.0), 3.0))
         y = tpart - np.array([base.target(int(x)) for x in n])
-        if len(sub) >= 3:
+        if terms == "constant and per node":
             a_t, b = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), y, rcond=None)[0]
         else:
-            a_t, b = float(np.mean(y)), 0.0
+            a_t, b = (float(np.median(y)) if terms == "constant" else 0.0), 0.0  # (one outlier moves no median)
         return float(a_t + np.mean(whole - dpart - tpart)), float(b), f
 
-    errors = []
-    for k, (n, dm, whole, _, _) in enumerate(rows):
-        if len(rows) >= 2:
-            a, b, f = solve(rows[:k] + rows[k + 1:])
+    def cv_error(terms):
+        errors = []
+        for k, (n, dm, whole, _, _) in enumerate(rows):
+            a, b, f = solve(rows[:k] + rows[k + 1:], terms)
             predicted = max(0.25 * base.target(n), base.target(n) + f * dm + a + b * n)  # as Timings.step
             errors.append(abs(predicted / whole - 1))
-    a, b, f = solve(rows)
-    return a, b, f, float(np.median(plain)) if plain else 0.0, float(np.mean(errors)) if errors else 0.0
+        return float(np.mean(errors))
+
+    usable = [t for t in STEP_TERMS if t != "constant and per node" or len(rows) >= 4]  # (3 to fit, 1 left out)
+    if len(rows) >= 2:
+        scores = {t: cv_error(t) for t in usable}
+        terms = min(usable, key=lambda t: (scores[t], usable.index(t)))
+        cv = scores[terms]
+    else:
+        terms, cv = ("constant" if rows else "none"), 0.0
+    a, b, f = solve(rows, terms)
+    return a, b, f, float(np.median(plain)) if plain else 0.0, cv
+
