@@ -186,6 +186,14 @@ def test_the_timed_steps_trees_are_shaped_by_the_pairs_own_vectors(pair, tmp_pat
     assert all(probs == vectors[0.0 if greedy else 0.6] for greedy, probs in used)
     assert [v.probs for v in fitted] == [vectors[0.0], vectors[0.6]]
     assert "greedy steps' trees shaped by the pair's acceptance vector: [0.900, 0.050, 0.020]" in capsys.readouterr().out
+    # a profile cached before the pair had vectors (generic trees) is measured again once it has
+    cached = next(p for p in (tmp_path / "cache" / "sequoia-offload" / "profiles").glob("*.json")
+                  if "-target-" not in p.name)
+    cached.write_text(json.dumps({**json.loads(out.read_text()), "fit_vector": [], "fit_vector_greedy": []}))
+    again = tmp_path / "again.json"
+    assert main(["profile", "--target", str(pair), "--device", "cpu", "--draft", "self-int8", "--offload", "disk",
+                 "--budget-s", "10", "--out", str(again)]) == 0
+    assert "measured:" in capsys.readouterr().out and load_measured(again).fit_vector_greedy == vectors[0.0]
     # a vector too narrow for every timed shape (no (16, 4) tree with 2 children a node) is not used
     (acceptance_cache_dir() / "pair-t0.json").write_text(json.dumps(
         {"acceptance": [0.9, 0.05], "temperature": 0.0, "target_fingerprint": fp, "draft_key": dkey}))
@@ -207,12 +215,13 @@ def test_the_passes_and_levels_are_timed_again_between_the_steps_rounds(pair, tm
     log = []
     real_step, real_round = SpeculativeDecoder.step, profiler._Repeats.round
     monkeypatch.setattr(SpeculativeDecoder, "step", lambda self, root: log.append("step") or real_step(self, root))
-    monkeypatch.setattr(profiler._Repeats, "round", lambda self: log.append(f"repeat {len(self.again)}") or real_round(self))
+    monkeypatch.setattr(profiler._Repeats, "round",
+                        lambda self: log.append(f"repeat {len(self.again)} {len(self.times)}") or real_round(self))
     assert main(["profile", "--target", str(pair), "--device", "cpu", "--draft", "self-int8", "--offload", "disk",
                  "--budget-s", "10", "--force"]) == 0
     repeats = [k for k, e in enumerate(log) if e.startswith("repeat")]
     assert len(repeats) == 4  # two rounds, each of the passes and of the levels
-    assert all(int(log[k].split()[1]) > 0 for k in repeats)  # (every timing here is short: all repeated)
+    assert all(log[k].split()[1] == log[k].split()[2] for k in repeats)  # (every timing here is short: all repeated)
     assert "step" in log[:repeats[0]] and "step" in log[repeats[1]:repeats[2]] and "step" in log[repeats[-1]:]
 
 

@@ -190,7 +190,15 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
             prof = load_measured(path)
             if _shared_target_part(engine) is None:  # (a run stopped between the two files)
                 _write_target_part(engine, prof)
-            return prof, path, False
+            vectors = shaping_vectors(engine)
+            if not prof.fit_budgets or (prof.fit_vector_greedy, prof.fit_vector) == (_own(vectors[True]),
+                                                                                   _own(vectors[False])):
+                return prof, path, False
+            # its steps were timed on other trees than the pair's vectors now shape (a profile
+            # taken before the pair had vectors): the step model would be fitted to the wrong trees
+            if progress:
+                print("sequoia-offload: the cached profile timed other trees than this pair's acceptance vectors "
+                      "shape; measuring again", file=sys.stderr)
         except UserError as e:
             print(f"sequoia-offload: warning: {e}; measuring again", file=sys.stderr)
     prof = measure(engine, budget_s, progress, reuse_target=not force)
@@ -247,8 +255,8 @@ def disk_read_gbps(engine, max_bytes: int = 1 << 30) -> float:
 
 class _Repeats:
     """Timings taken again later, one round at a time, between rounds of other work: the median
-    of `rounds` timings of each job whose first timing (given) is under `long_s` (the rest keep
-    their one). The profile takes the repeats of its passes and draft levels in the rounds of its
+    of each job's timings (its first, given, and one per `round()`) for every job whose first
+    timing is under `long_s` (the rest keep their one). The profile takes the repeats of its passes and draft levels in the rounds of its
     real steps, so that a slow spell of a shared machine falls on one round of every job (passes,
     levels and steps alike) and the medians leave it out; taken phase by phase, a spell during
     the passes alone made every pass look slow beside the steps, and the fit then read the
@@ -483,6 +491,7 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
         return whole - t.catch_up, t.draft - t.catch_up, t.target, t.ahead_levels
 
     started = time.perf_counter()
+    spent_between = 0.0  # (the repeats taken between rounds do not count against the steps' budget)
     shapes = []
     for k, (n, d) in enumerate(fits):  # the warm-up round picks the shapes
         if k >= MIN_STEP_SHAPES and time.perf_counter() - started > budget_s / 4:
@@ -496,10 +505,12 @@ def _time_steps(engine, bases: dict, g: torch.Generator, budget_s: float, pairs:
         one_step(greedy, 1, 1)
     runs = {(greedy, shape): [] for greedy in (True, False) for shape in shapes}
     for r in range(3):
-        if r == 2 and time.perf_counter() - started > budget_s * per_shape:
+        if r == 2 and time.perf_counter() - started - spent_between > budget_s * per_shape:
             break
         if between is not None and r < 2:
+            t_between = time.perf_counter()
             between()
+            spent_between += time.perf_counter() - t_between
         for shape in shapes:
             for greedy in (True, False):
                 for _ in range(per_shape if shape[0] > 1 else PLAIN_STEPS):
@@ -551,7 +562,8 @@ def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float
     target part (pass and verification; the loader's prefetch during the draft shows here) as
     base.target(n) + a_t + b * n (a_t alone: the median), the rest (commits) as a constant;
     a = a_t + the rest. Which
-    terms the target part gets (a_t and b, a_t alone, neither; b needs three shapes) is chosen
+    terms the target part gets (a_t and b, a_t alone, neither; b needs four tree shapes, three
+    to fit and one left out) is chosen
     by cross-validation (STEP_TERMS): four or five shapes, each a median of three timings on a
     shared machine, do not always carry a per-node slope, and one slow pass among the isolated
     ones made a fitted b of -1.8 ms/node that cut a (16, 4) step by 20% (validate_simulator
