@@ -96,7 +96,7 @@ def shaping_vectors(engine) -> dict[bool, AcceptanceVector]:
     PROFILE_VECTOR, also where the pair's cannot shape every one of STEP_SHAPES (a vector of
     width 2 has no (16, 4) tree)."""
     from ..speculation.acceptance_store import known_vectors, nearest
-    found = known_vectors(getattr(engine, "target_fingerprint", None), getattr(engine, "draft_key", None))
+    found = known_vectors(engine.target_fingerprint, engine.draft_key)
     out = {True: PROFILE_VECTOR, False: PROFILE_VECTOR}
     for greedy, t in ((True, 0.0), (False, 0.6)):
         same_kind = {k: v for k, v in found.items() if (k == 0) == greedy} or found
@@ -256,9 +256,10 @@ def disk_read_gbps(engine, max_bytes: int = 1 << 30) -> float:
 class _Repeats:
     """Timings taken again later, one round at a time, between rounds of other work: the median
     of each job's timings (its first, given, and one per `round()`) for every job whose first
-    timing is under `long_s` (the rest keep their one). The profile takes the repeats of its passes and draft levels in the rounds of its
-    real steps, so that a slow spell of a shared machine falls on one round of every job (passes,
-    levels and steps alike) and the medians leave it out; taken phase by phase, a spell during
+    timing is under `long_s` (the rest keep their one). The profile takes the repeats of its
+    passes and draft levels in the rounds of its real steps, so that a slow spell of a shared
+    machine falls on one round of every job (passes, levels and steps alike) and the medians
+    leave it out; taken phase by phase, a spell during
     the passes alone made every pass look slow beside the steps, and the fit then read the
     difference as a per-step constant (-0.10 s on a 0.13 s plain step, 2026-12-03)."""
 
@@ -416,11 +417,12 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
                                        between=repeat_round)
     bases = bases_now()
     if pass_repeats is not None:
-        ts = [pass_repeats.medians()[n] for n in ns]
-    dts_greedy, dts = ([level_repeats.medians()[w, greedy] for w in ws] for greedy in (True, False))
-    # the waits of the same passes (the median, never more than the pass's own median)
-    if pass_repeats is not None:
+        medians = pass_repeats.medians()
+        ts = [medians[n] for n in ns]
+        # the waits of the same passes (the median, never more than the pass's own median)
         idle_s = tuple(min(statistics.median(idles[n]), t) for n, t in zip(ns, ts)) if executor is not None else ()
+    level_medians = level_repeats.medians()
+    dts_greedy, dts = ([level_medians[w, greedy] for w in ws] for greedy in (True, False))
     fits = {greedy: fit_step_model(shapes, times[greedy], bases[greedy], vectors[greedy]) for greedy in (True, False)}
     uses = {greedy: fit_overlap_use(shapes, ahead[greedy], replace(bases[greedy], draft_factor=fits[greedy][2],
                                                                     idle_seconds=idle_s), vectors[greedy])
@@ -561,16 +563,14 @@ def fit_step_model(shapes: list[tuple[int, int]], times: list[tuple[float, float
     least squares (better conditioned than one fit of the whole): the draft part as f * D, the
     target part (pass and verification; the loader's prefetch during the draft shows here) as
     base.target(n) + a_t + b * n (a_t alone: the median), the rest (commits) as a constant;
-    a = a_t + the rest. Which
-    terms the target part gets (a_t and b, a_t alone, neither; b needs four tree shapes, three
-    to fit and one left out) is chosen
-    by cross-validation (STEP_TERMS): four or five shapes, each a median of three timings on a
-    shared machine, do not always carry a per-node slope, and one slow pass among the isolated
-    ones made a fitted b of -1.8 ms/node that cut a (16, 4) step by 20% (validate_simulator
-    run 9). A plain step costs base.target(1) + plain. The cv error is the mean of
-    |predicted / measured - 1| of the whole tree steps, each predicted from a fit to the other
-    shapes (0 with fewer than two), of the terms chosen. `vector` shaped the timed trees (their
-    level widths)."""
+    a = a_t + the rest. Which terms the target part gets (a_t and b, a_t alone, neither; b needs
+    four tree shapes, three to fit and one left out) is chosen by cross-validation (STEP_TERMS):
+    four or five shapes, each a median of three timings on a shared machine, do not always carry
+    a per-node slope, and one slow pass among the isolated ones made a fitted b of -1.8 ms/node
+    that cut a (16, 4) step by 20% (validate_simulator run 9). A plain step costs
+    base.target(1) + plain. The cv error is the mean of |predicted / measured - 1| of the whole
+    tree steps, each predicted from a fit to the other shapes (0 with fewer than two), of the
+    terms chosen. `vector` shaped the timed trees (their level widths)."""
     import numpy as np
     rows = []  # (n, D, whole, draft part, target part)
     for (n, d), t in zip(shapes, times):
