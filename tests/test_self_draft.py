@@ -2,6 +2,8 @@
 the packed kernels against the dequantised reference, logits close to the target's, greedy
 speculation exactly plain greedy, and its bytes in the placement plan."""
 
+import time
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from offload_engine.formats.checkpoint import Checkpoint
 from offload_engine.formats.config import load_config
 from offload_engine.runtime.model import Transformer
 from offload_engine.speculation.drafts import build_self_draft, self_draft_bytes
+from offload_engine.runtime import quant
 from offload_engine.runtime.quant import (
     QuantizedLinear, WIDE_ROWS, pack_nibbles, unpack_nibbles, error_bound, quantize_int4, quantize_int8, quantized_bytes,
 )
@@ -58,6 +61,7 @@ def test_nibbles_round_trip():
 def test_packed_kernel_matches_the_dequantised_matmul(scheme, monkeypatch):
     """torch 2.13's CPU build has both packed kernels: they must be chosen, and agree with the
     dense matmul of the dequantised matrix to bfloat16 precision (2e-2 of the output's scale)."""
+    monkeypatch.setattr(quant, "_wide_pays", lambda ql: True)  # (whether it pays: the test below)
     w = _weights()
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
     kernel = QuantizedLinear.from_weight(w, scheme, 64, backend="kernel")
@@ -71,7 +75,7 @@ def test_packed_kernel_matches_the_dequantised_matmul(scheme, monkeypatch):
     # int8 on the CPU: WIDE_ROWS rows or more take the integer GEMM (fewer, the packed kernel above),
     # activations quantised per row: each output is off by at most the activations' rounding,
     # max|x_row| / 254, times the row's sum of |weights| (the int32 sums are exact)
-    assert kernel.wide == (scheme == "int8")
+    assert kernel.wide == (scheme == "int8")  # (the GEMM pays, as _wide_pays is set here: the path's arithmetic)
     calls = []
     real = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or real(a, b))
@@ -91,6 +95,22 @@ def test_packed_kernel_matches_the_dequantised_matmul(scheme, monkeypatch):
             exact = (torch.round(x.double() / sx) * sx) @ (kernel.data.double() * kernel.scale.double()[:, None]).T
             assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
     assert calls == ([WIDE_ROWS, 24] if scheme == "int8" else [])
+
+
+@pytest.mark.parametrize("slow", ["gemm", "packed"])
+def test_the_integer_gemm_is_taken_only_where_it_is_timed_faster(slow, monkeypatch):
+    """The CPU's integer GEMM is fast only with VNNI (15x slower than the packed kernel on an
+    AVX2-only host, 2026-12-03): `_wide_pays` times both, once per matrix shape. Each path slowed
+    by 20 ms a call here in turn: the other one is chosen, and the choice is kept for the shape."""
+    monkeypatch.setattr(quant, "_WIDE_PAYS", {})
+    name = "_int_mm" if slow == "gemm" else "_weight_int8pack_mm"
+    real = getattr(torch, name)
+    monkeypatch.setattr(torch, name, lambda *a: time.sleep(0.02) or real(*a))
+    kernel = QuantizedLinear.from_weight(_weights(), "int8", backend="kernel")
+    assert kernel.backend == "kernel" and kernel.wide == (slow == "packed")
+    assert quant._WIDE_PAYS == {(96, 256): slow == "packed"}
+    monkeypatch.setattr(torch, name, real)  # timed once per shape: a second matrix of it keeps the choice
+    assert QuantizedLinear.from_weight(_weights(), "int8", backend="kernel").wide == (slow == "packed")
 
 
 def test_group_size_must_divide_inputs():

@@ -25,13 +25,19 @@ Matmul backends:
     are (symmetric, s_x = max|x_row| / 127, so |x - q_x s_x| <= max|x_row| / 254): the packed
     kernel's time grows with the rows, the GEMM's hardly. Measured on the 2-vCPU machine, a
     1536x576 matrix took 168 / 302 us for 12 / 24 rows in the packed kernel and 75 / 99 us in the
-    GEMM (30 / 55 us for one row: fewer rows stay on the packed kernel).
+    GEMM (30 / 55 us for one row: fewer rows stay on the packed kernel). That GEMM is fast only
+    where the CPU has VNNI (AVX-512 or AVX-VNNI): on an AVX2-only host of the same machine kind
+    (2026-12-03) the same matrix took 15.7 ms for 32 rows in the GEMM and 1.0 ms in the packed
+    kernel, and a 64-node draft level of self-q8 took 4 s instead of 0.3. So the GEMM is taken
+    only where it is timed faster than the packed kernel on WIDE_PROBE_ROWS rows (`_wide_pays`:
+    once per matrix shape and process, best of three each).
   * "dequant": dequantise the matrix into the compute dtype, then one dense matmul (2.5-5 ms
     for that matrix on the CPU: the fallback).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +49,8 @@ DEFAULT_GROUP_SIZE = 64  # divides every Llama-family width (576, 1536, 4096, 81
 _INNER_K_TILES = 2
 KERNEL_DTYPE = torch.bfloat16  # activations and scales of the packed kernels
 WIDE_ROWS = 8  # CPU int8: from this many rows on, the integer GEMM with activations quantised per row
+WIDE_PROBE_ROWS = 32  # ... where it beats the packed kernel on this many rows (`_wide_pays`)
+_WIDE_PAYS: dict[tuple[int, int], bool] = {}  # (out_features, in_features) -> timed once per process
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +185,7 @@ class QuantizedLinear:
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             return
         want = F.linear(probe, reference).float()
-        self.wide = _agrees(got, want)
+        self.wide = _agrees(got, want) and _wide_pays(self)
 
     def _wide(self, x2: torch.Tensor) -> torch.Tensor:
         """[M, K] float activations -> [M, N] float32: x quantised per row, int8 x int8 -> int32."""
@@ -225,6 +233,29 @@ class QuantizedLinear:
     def nbytes(self) -> int:
         parts = {id(t): t for t in (self.data, self.scale, self.minimum, self.scale_zeros) if t is not None}
         return sum(t.numel() * t.element_size() for t in parts.values())
+
+
+def _best_of(fn, repeats: int = 3) -> float:
+    fn()  # (first call: allocations, kernel selection)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _wide_pays(ql: QuantizedLinear) -> bool:
+    """Whether the CPU's integer GEMM beats the packed int8 kernel for a matrix of `ql`'s shape
+    on WIDE_PROBE_ROWS rows (both paths as `linear` runs them, activations' quantisation and
+    casts included), timed once per shape and process."""
+    key = (ql.out_features, ql.in_features)
+    if key not in _WIDE_PAYS:
+        x = torch.randn(WIDE_PROBE_ROWS, ql.in_features, generator=torch.Generator().manual_seed(2)).to(ql.dtype)
+        gemm = _best_of(lambda: ql._wide(x))
+        packed = _best_of(lambda: torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), ql.data, ql.scale))
+        _WIDE_PAYS[key] = gemm < packed
+    return _WIDE_PAYS[key]
 
 
 def quantized_bytes(out_features: int, in_features: int, scheme: str, group_size: int) -> int:
