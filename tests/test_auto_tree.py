@@ -247,3 +247,23 @@ def test_a_second_draft_on_the_same_target_and_plan_reuses_the_targets_part(pair
     assert main([*base, "--draft", "self-int4", "--draft-group-size", "32", "--force",
                  "--out", str(tmp_path / "c.json")]) == 0
     assert measured  # --force: the target's part too
+
+
+def test_the_machine_name_names_the_cpu_extensions_the_kernels_depend_on(monkeypatch):
+    """Two hosts with the same model name, one with AVX-512 VNNI and one with AVX2 only (the same
+    VM kind, 2026-12-03: the int8 GEMM 15x apart), are two machines to the profile's key."""
+    import torch
+
+    def host(flags):
+        class FakePath:
+            def __init__(self, *a):
+                pass
+
+            def read_text(self):
+                return f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 {flags}\n"
+        monkeypatch.setattr(profiler, "Path", FakePath)
+        return profiler.machine_name(torch.device("cpu"))
+
+    avx2, vnni = host("avx avx2 fma"), host("avx2 avx512f avx512_vnni")
+    assert avx2.startswith("AMD EPYC x") and avx2.endswith("(avx2)")
+    assert vnni.endswith("(avx2, avx512f, avx512_vnni)")

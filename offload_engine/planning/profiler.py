@@ -69,8 +69,9 @@ TARGET_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
-PROFILE_VERSION = 6  # 5: the pass waits and the overlap used (drafting while the target streams); 6: the
-# timed steps' trees shaped by the pair's own vectors (`shaping_vectors`)
+PROFILE_VERSION = 7  # 5: the pass waits and the overlap used (drafting while the target streams); 6: the
+# timed steps' trees shaped by the pair's own vectors (`shaping_vectors`); 7: self-q8/self-int8 levels timed
+# with the CPU's integer GEMM only where it pays (`quant._wide_pays`: without VNNI it was 15x slower)
 # the real steps timed for the step model, most informative first (the time budget may cut the
 # list after the fourth); the plain step always runs last
 STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))
@@ -115,16 +116,27 @@ def step_widths(vector: AcceptanceVector, n: int, d: int) -> tuple[int, ...]:
     return tuple(level_widths(TreeTable(vector, n, d).tree(n, d)))
 
 
+# the vector extensions the CPU's kernels take different paths on (a cloud VM's "AMD EPYC" is
+# sometimes a host with AVX-512 VNNI, sometimes one with AVX2 only: int8 GEMMs 15x apart)
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile")
+
+
 def machine_name(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
+    """'CPU model xCORES (its vector extensions)', '+ GPU name' on CUDA: part of a profile's key."""
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not flags:
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
     name = f"{cpu} x{os.cpu_count()}"
+    features = [f for f in CPU_FEATURES if f in flags]
+    if features:
+        name += f" ({', '.join(features)})"
     if device.type == "cuda":
         name += f" + {torch.cuda.get_device_name(device)}"
     return name
