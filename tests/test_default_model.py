@@ -54,7 +54,7 @@ def test_default_model_folder_is_written_once_and_reused():
 
 def test_demo_command_streams_an_answer():
     """`make demo`'s command with the draft it chooses on this CPU named (`--draft auto`, its
-    default, first profiles every candidate: 3-4 minutes on a fresh 2-core machine, which the
+    default, first profiles every candidate: about 5 minutes on a fresh 2-core machine, which the
     suite cannot afford; the choice itself is tested in tests/test_draft_choice.py)."""
     proc = subprocess.run([sys.executable, str(ROOT / "run_70b.py"), "demo", "--draft", "self-q8"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
