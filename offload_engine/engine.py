@@ -251,6 +251,7 @@ class Engine:
         self.tree = tree
         self.target_fingerprint: str | None = None
         self.draft_key: str | None = None
+        self.draft_name: str | None = None  # the --draft value as given (a folder: its name), for display
         # measured vectors of this (target, draft) pair by temperature (acceptance_store); when
         # present they shape --tree sequoia, the one nearest each generation's temperature
         self.stored_acceptance: dict = {}
@@ -404,6 +405,8 @@ class Engine:
         engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, widest),
                      draft_model, spec if draft_model is not None else TreeSpec(), cache_slots)
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
+        if draft_model is not None:
+            engine.draft_name = Path(draft).name if ("/" in str(draft) or isinstance(draft, Path)) else str(draft)
         engine.adapt = adapt
         # (nothing to overlap when no layer streams: every pass has its layers at hand)
         engine.overlap = bool(s.plan.streamed_layers) and (

@@ -362,7 +362,7 @@ def _draft_line(engine, temperature: float) -> str:
     if engine.draft is None:
         return ("draft: suffix (continuations of text already seen; no prediction)" if engine.suffix_store is not None
                 else "draft: none (plain streamed decoding)")
-    name = engine.draft_key or "given"
+    name = engine.draft_name or engine.draft_key or "given"
     if not engine.auto_plans:
         return f"draft: {name}, {engine.tree.kind} tree of {engine.tree.max_nodes} nodes (fixed, no prediction)"
     plan = engine.auto_plans[min(engine.auto_plans, key=lambda t: (abs(t - temperature), t))]
