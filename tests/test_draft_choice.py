@@ -150,3 +150,24 @@ def test_plan_draft_auto_prints_the_table_and_named_candidates_join(folders, fak
     assert "| self-q4 |" in out and "**chosen**" in out and "draft auto: self-q4" in out
     assert "| /nowhere/model | - | - | - | dropped: --draft /nowhere/model: not a checkpoint folder" in out
     assert out.count(f"| {small} |") == 1  # named and found beside the target: once
+
+
+def test_plain_decoding_is_pooled_over_the_profiles_of_one_plan():
+    """Two profiles taken minutes apart saw plain decoding at 0.10 and 0.15 s/token (the machine
+    drifted, as the 2-vCPU one does): A predicts 0.09 s/token (1.11x over its own plain), B 0.10
+    (1.5x over its own). By raw s/token A looks faster; on one scale (the plan's median plain,
+    0.125) B is: 0.083 against A's 0.1125. `none` is that pooled plain; a candidate on another plan
+    (more layers streamed) keeps its own plain and does not move the pool."""
+    def cand(name, predicted, plain, plan):
+        return draft_choice.Candidate(name, predicted={0.0: predicted}, plain={0.0: plain},
+                                      plain_measured={0.0: plain}, trees={0.0: "(8,3)"}, plan=plan)
+    cands = [cand("a", 0.09, 0.10, "p"), cand("b", 0.10, 0.15, "p"), cand("c", 0.15, 0.20, "q"),
+             draft_choice.Candidate("none")]
+    draft_choice.pool_plain(cands)
+    a, b, c, none = cands
+    assert a.predicted[0.0] == pytest.approx(0.1125) and b.predicted[0.0] == pytest.approx(0.125 / 1.5)
+    assert a.plain[0.0] == b.plain[0.0] == pytest.approx(0.125) and a.plain_measured[0.0] == 0.10
+    assert c.predicted[0.0] == pytest.approx(0.15) and c.plain[0.0] == 0.20
+    assert none.predicted == {0.0: pytest.approx(0.125)} and none.trees == {0.0: "plain"}
+    choice = draft_choice._pick(cands, 0.0)
+    assert choice.chosen == "b" and choice.speedup(0.0) == pytest.approx(1.5)

@@ -14,7 +14,13 @@ A candidate the memory budget cannot hold beside the target's plan is dropped wi
 reason. Each other one is loaded as `--tree auto` loads it: its profile (the target's passes,
 shared by every draft on the plan, its own level times, and the step model fitted to its real
 steps) and its acceptance vectors, each measured once per machine / pair and cached, give the
-optimizer's best tree and its predicted s/token at T=0 and T=0.6. The engine then loads the one
+optimizer's best tree and its predicted s/token at T=0 and T=0.6. Each profile times its own
+plain steps in the same rounds as its trees, so a candidate's speed-up over plain decoding is
+measured within one spell of the machine, while two profiles taken minutes apart can see plain
+decoding itself 0.10 and 0.15 s/token apart (the 2-vCPU machine, 2026-12-03). So the candidates
+whose target plan is the same (the same plain decoding) are put on one scale (`pool_plain`): their
+plain time is the median of their profiles', and each one's predicted s/token is its own
+speed-up applied to it; `none` is the fastest plan's plain time. The engine then loads the one
 predicted fastest (at the request temperature when known, else over both). The `suffix` draft
 is not a candidate: what it gains depends on text repeating, which nothing measured before the
 text predicts (it is listed, with that reason); `--draft suffix` or `X+suffix` choose it.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +45,7 @@ from ..fsutil import atomic_write_text, cache_root
 
 SELF_CANDIDATES = ("self-q8", "self-q4", "self-int8", "self-int4")
 TEMPERATURES = (0.0, 0.6)
-CHOICE_VERSION = 1
+CHOICE_VERSION = 2  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`)
 DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's parameters (also `models`)
 
 
@@ -46,7 +53,9 @@ DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's paramete
 class Candidate:
     name: str  # the --draft value ("none": no draft)
     predicted: dict = field(default_factory=dict)  # temperature -> predicted s/token
-    plain: dict = field(default_factory=dict)  # temperature -> plain streamed decoding, predicted
+    plain: dict = field(default_factory=dict)  # temperature -> plain streamed decoding, predicted (pooled)
+    plain_measured: dict = field(default_factory=dict)  # temperature -> plain as its own profile measured it
+    plan: str = ""  # the target's plan it ran on (resident/RAM/disk layers, bytes a pass): plain's own
     trees: dict = field(default_factory=dict)  # temperature -> "(n,d)" or "plain"
     dropped: str = ""  # why it is not a candidate (memory, vocabulary, ...); "" when it is
     profile: str = ""  # the profile file its timings came from
@@ -186,9 +195,9 @@ def _cached(path: Path, temperature: float | None) -> DraftChoice | None:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("version") != CHOICE_VERSION:
             return None
-        cands = [Candidate(**{**c, "predicted": {float(k): v for k, v in c["predicted"].items()},
-                              "plain": {float(k): v for k, v in c["plain"].items()},
-                              "trees": {float(k): v for k, v in c["trees"].items()}}) for c in data["candidates"]]
+        cands = [Candidate(**{**c, **{f: {float(k): v for k, v in c[f].items()}
+                                      for f in ("predicted", "plain", "plain_measured", "trees")}})
+                 for c in data["candidates"]]
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None  # unreadable or of another form: chosen again
     if any(c.profile and _measured_at(c.profile) != c.measured_at for c in cands):
@@ -201,6 +210,30 @@ def _measured_at(profile: str) -> str | None:
         return json.loads(Path(profile).read_text(encoding="utf-8")).get("measured_at")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
+
+
+def pool_plain(cands: list[Candidate]) -> None:
+    """Put the measured candidates of one target plan on one scale of plain decoding (see the
+    module's docstring), in place: per plan and temperature, plain is the median of their
+    profiles' plain times, and each candidate's predicted s/token keeps its own speed-up over
+    its own profile's plain (predicted * pooled / own). `none` gets the fastest plan's plain."""
+    groups: dict[str, list[Candidate]] = {}
+    for c in cands:
+        if c.name != "none" and not c.dropped and c.plain_measured:
+            groups.setdefault(c.plan, []).append(c)
+    fastest: dict[float, float] = {}
+    for group in groups.values():
+        for t in {t for c in group for t in c.plain_measured}:
+            pooled = statistics.median(c.plain_measured[t] for c in group if t in c.plain_measured)
+            fastest[t] = min(fastest.get(t, math.inf), pooled)
+            for c in group:
+                if t in c.plain_measured and t in c.predicted:
+                    c.predicted[t] *= pooled / c.plain_measured[t]
+                    c.plain[t] = pooled
+    none = next(c for c in cands if c.name == "none")
+    if fastest:
+        none.predicted = dict(sorted(fastest.items()))
+        none.plain, none.trees = dict(none.predicted), {t: "plain" for t in none.predicted}
 
 
 def _pick(cands: list[Candidate], temperature: float | None) -> DraftChoice:
@@ -260,11 +293,15 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
                 c.predicted[t] = auto.choice.seconds_per_token
                 c.plain[t] = auto.plain_seconds_per_token
                 c.trees[t] = "plain" if auto.choice.budget == 1 else f"({auto.choice.budget},{auto.choice.depth})"
+            c.plain_measured = dict(c.plain)
+            p = engine.plan
+            c.plan = (f"{len(p.resident_layers)} resident, {len(p.ram_layers)} RAM, {len(p.disk_layers)} disk layers, "
+                      f"{p.bytes_per_pass} B a pass")
             c.profile = str(profile_path(engine))
             c.measured_at = _measured_at(c.profile) or ""
         except (UserError, RuntimeError, MemoryError) as e:  # (CUDA's out of memory is a RuntimeError)
             c.dropped = str(e).replace("\n", " ")[:300]
-            c.predicted, c.plain, c.trees = {}, {}, {}
+            c.predicted, c.plain, c.plain_measured, c.trees = {}, {}, {}, {}
         finally:
             if engine is not None:
                 engine.close()
@@ -272,11 +309,7 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    none = next(c for c in cands if c.name == "none")
-    plains = [c.plain for c in cands if c.plain]
-    if plains:  # plain streamed decoding: the profiles' own prediction (the same pass for every draft)
-        none.predicted = {t: min(p[t] for p in plains if t in p) for t in plains[0]}
-        none.plain, none.trees = dict(none.predicted), {t: "plain" for t in none.predicted}
+    pool_plain(cands)
     choice = _pick(cands, temperature)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, choice.to_json())
