@@ -171,3 +171,6 @@ def test_plain_decoding_is_pooled_over_the_profiles_of_one_plan():
     assert none.predicted == {0.0: pytest.approx(0.125)} and none.trees == {0.0: "plain"}
     choice = draft_choice._pick(cands, 0.0)
     assert choice.chosen == "b" and choice.speedup(0.0) == pytest.approx(1.5)
+    # the first line gives the chosen draft's s/token on its own profile's scale (as the loaded
+    # engine's stats line does): 0.10, not the table's pooled 0.083
+    assert choice.summary(0.0).startswith("draft auto: b, tree (8,3), 0.100 s/token predicted, 1.50x over plain")

@@ -90,12 +90,16 @@ class DraftChoice:
         return plain.score(temperature) / c.score(temperature)
 
     def summary(self, temperature: float | None = None) -> str:
-        """One line: the draft chosen, its tree and its predicted speed-up."""
+        """One line: the draft chosen, its tree and its predicted speed-up; its s/token as its
+        own profile predicts it (as the loaded engine's stats line will), not on the table's
+        pooled scale."""
         c = self.best
         t = temperature if temperature is not None else self.temperature
         key = min(c.trees, key=lambda k: abs(float(k) - (t or 0.0))) if c.trees else None
         tree = c.trees.get(key, "plain") if key is not None else "plain"
-        return (f"draft auto: {c.name}, tree {tree}, {c.score(t):.3f} s/token predicted, "
+        own = c.score(t) * (c.plain_measured[key] / c.plain[key] if key in c.plain_measured and c.plain.get(key)
+                            else 1.0)
+        return (f"draft auto: {c.name}, tree {tree}, {own:.3f} s/token predicted, "
                 f"{self.speedup(t):.2f}x over plain streamed decoding "
                 f"({sum(1 for x in self.candidates if not x.dropped)} candidates; `plan --draft auto` lists them)")
 
