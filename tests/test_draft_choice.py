@@ -174,3 +174,16 @@ def test_plain_decoding_is_pooled_over_the_profiles_of_one_plan():
     # the first line gives the chosen draft's s/token on its own profile's scale (as the loaded
     # engine's stats line does): 0.10, not the table's pooled 0.083
     assert choice.summary(0.0).startswith("draft auto: b, tree (8,3), 0.100 s/token predicted, 1.50x over plain")
+
+
+def test_a_draft_is_named_as_given(folders, tmp_path, monkeypatch):
+    """The first line of demo and chat names the draft as the user gave it (a folder by its name,
+    a self-draft by its own, '+suffix' kept), not by its key (model:<fingerprint>)."""
+    from offload_engine.apps.cli import _draft_line
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target, small = folders
+    for draft, name in ((str(small), "small"), ("self-int8", "self-int8"), ("self-int8+suffix", "self-int8+suffix")):
+        engine = Engine.load(target, draft=draft, tree="sequoia", tree_budget=8, tree_depth=3, progress=False)
+        assert engine.draft_name == name
+        assert _draft_line(engine, 0.0).startswith(f"draft: {name}, sequoia tree")
+        engine.close()

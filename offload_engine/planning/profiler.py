@@ -123,11 +123,11 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile")
 
 def machine_name(device: torch.device) -> str:
     """'CPU model xCORES (its vector extensions)', '+ GPU name' on CUDA: part of a profile's key."""
-    cpu, flags = platform.processor() or platform.machine(), set()
+    cpu, flags, named = platform.processor() or platform.machine(), set(), False
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not flags:
-                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("model name") and not named:  # (the first processor's)
+                cpu, named = line.split(":", 1)[1].strip(), True
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
