@@ -187,3 +187,35 @@ def test_a_draft_is_named_as_given(folders, tmp_path, monkeypatch):
         assert engine.draft_name == name
         assert _draft_line(engine, 0.0).startswith(f"draft: {name}, sequoia tree")
         engine.close()
+
+
+def test_the_candidates_plain_times_are_pooled_when_chosen(folders, fakes, monkeypatch):
+    """Profiles that saw plain decoding at different speeds (the fakes' target passes 0.40 to 0.60 s,
+    one per candidate, as a drifting machine gives): in the table every candidate on the plan has
+    one plain time, the median of theirs, and `none` is that median (the rescaling of each one's
+    prediction: test_plain_decoding_is_pooled_over_the_profiles_of_one_plan)."""
+    from dataclasses import replace
+    import statistics
+    target, _ = folders
+    module = __import__("test_draft_choice")
+    real = module._fake_profile
+    pass_s = {"self-q8": 0.40, "self-q4": 0.60, "self-int8": 0.50, "self-int4": 0.45}
+
+    def drifting(engine, level_s):
+        key = str(engine.draft_key)
+        prof = real(engine, level_s)
+        p = next((v for name, v in pass_s.items() if key.startswith(name)), 0.55)
+        return replace(prof, target_pass_s=tuple(p for _ in prof.target_tokens))
+    monkeypatch.setattr(module, "_fake_profile", drifting)
+    engine = Engine.load(target, draft="auto", offload="disk", progress=False)
+    engine.close()
+    measured = [c for c in engine.draft_choice.candidates if c.plain_measured]
+    assert len(measured) == 5 and len({c.plan for c in measured}) == 1
+    for t in (0.0, 0.6):
+        own = [c.plain_measured[t] for c in measured]
+        assert max(own) > 1.3 * min(own)  # the drift the profiles saw
+        pooled = statistics.median(own)
+        for c in measured:
+            assert c.plain[t] == pytest.approx(pooled)
+        none = next(c for c in engine.draft_choice.candidates if c.name == "none")
+        assert none.predicted[t] == pytest.approx(pooled)
