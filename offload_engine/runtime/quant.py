@@ -177,8 +177,9 @@ class QuantizedLinear:
             self.scale, self.minimum = self.scale_zeros, None
 
     def _try_wide(self, reference: torch.Tensor) -> None:
-        """Use the integer GEMM for wide inputs if it exists here and matches the reference
-        (`_agrees`, the activations' rounding counted)."""
+        """Use the integer GEMM for wide inputs if it exists here, matches the reference
+        (`_agrees`, the activations' rounding counted) and is timed faster than the packed
+        kernel for this shape (`_wide_pays`)."""
         probe = torch.randn(WIDE_ROWS + 3, self.in_features, generator=torch.Generator().manual_seed(1)).to(self.dtype)
         try:
             got = self._wide(probe)
