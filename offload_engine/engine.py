@@ -405,9 +405,9 @@ class Engine:
         engine = cls(model, tokenizer, s.folder, s.max_context, s.plan, max(max_batch_tokens, widest),
                      draft_model, spec if draft_model is not None else TreeSpec(), cache_slots)
         engine.target_fingerprint, engine.draft_key, engine.stored_acceptance = target_fp, dkey, stored
-        if draft_model is not None:  # (a folder or file by its name; a model name, a self-draft as given)
-            named = is_model_name(str(draft)) or "/" not in str(draft) and not isinstance(draft, Path)
-            engine.draft_name = (str(draft) if named else Path(draft).name) + ("+suffix" if use_suffix else "")
+        if draft_model is not None:  # (a model name whole; a folder or file by its name, a self-draft's is itself)
+            engine.draft_name = ((str(draft) if is_model_name(str(draft)) else Path(draft).name)
+                                 + ("+suffix" if use_suffix else ""))
         engine.adapt = adapt
         # (nothing to overlap when no layer streams: every pass has its layers at hand)
         engine.overlap = bool(s.plan.streamed_layers) and (
