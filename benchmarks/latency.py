@@ -214,6 +214,8 @@ def _load(args, m: dict):
                   tree=m.get("tree", "auto" if m["kind"] == "auto" else m["kind"]), adapt=m.get("adapt", True))
         if m["kind"] not in ("auto", "suffix"):
             kw.update(tree_budget=m["budget"], tree_depth=m["depth"], specinfer_width=m.get("width", 4))
+        else:  # the tree (and draft) chosen for this run's answers (auto --no-adapt keeps that choice)
+            kw.update(plan_tokens=args.max_new_tokens)
     return Engine.load(args.target, **kw)
 
 

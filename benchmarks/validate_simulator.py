@@ -55,13 +55,15 @@ def check_machine(args) -> dict:
     prompts = read_prompts(ROOT / "benchmarks" / "prompts.jsonl")[: args.prompts]
     common = dict(device="cpu", offload="disk", draft=args.draft)
     # the profile's own prediction is what is checked: auto's first choice, kept (--no-adapt)
-    engine = Engine.load("default", tree="auto", adapt=False, progress=True, **common)
+    engine = Engine.load("default", tree="auto", adapt=False, progress=True, plan_tokens=args.max_new_tokens, **common)
     prof, path, _ = profiler.cached_or_measured(engine, progress=True)
     plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
     factor = prof.timings(greedy=True).draft_factor
     configs = []
     for tree in [None] + [tuple(int(x) for x in t.split(",")) for t in args.trees.split()]:
-        sim = simulator.simulate_measured(prof, None, 0.0, tree=tree)  # the pair's vector, as auto finds it
+        # the pair's vector, as auto finds it; for generations of max_new_tokens (the steps make all
+        # but the prefill's first; an answer that ends sooner at its end-of-sequence is not foreseen)
+        sim = simulator.simulate_measured(prof, None, 0.0, tree=tree, length=args.max_new_tokens - 1)
         # every tree on the one engine (a variant: the same target, executor and draft), since
         # two engines loaded in one process decode up to 20% apart here (benchmarks/engine_pair.py)
         run_engine = engine if tree is None else engine.variant(tree="sequoia", tree_budget=tree[0],

@@ -174,14 +174,15 @@ def _draft_parts(draft, target_folder: Path, cfg: ModelConfig, dtype: torch.dtyp
 
 
 def choose_draft(target, load_kwargs: dict, temperature: float | None = None, extra: list[str] | None = None,
-                 progress: bool = True, force: bool = False, budgets: dict | None = None):
+                 progress: bool = True, force: bool = False, budgets: dict | None = None,
+                 length: int | None = None):
     """`--draft auto`'s table and choice for `target` (`planning.draft_choice`, handed Engine.load
     and plan_only to evaluate the candidates with)."""
     from .planning import draft_choice
     folder = resolve_target(target, progress)
     return draft_choice.choose_draft(folder, target is None or str(target) == "default", load_kwargs,
                                      load=Engine.load, plan=plan_only, temperature=temperature, extra=extra,
-                                     progress=progress, force=force, budgets=budgets)
+                                     progress=progress, force=force, budgets=budgets, length=length)
 
 
 def plan_only(target="default", device=None, dtype=None, max_context=None, offload="auto", vram=None,
@@ -296,7 +297,7 @@ class Engine:
              cache_slots: int = 1, weights: str = "auto", adapt: bool = True,
              suffix_memory: int = DEFAULT_MEMORY, verify_reads: bool = False, overlap: str = "auto",
              progress: bool = True, draft_candidates: list[str] | None = None,
-             draft_temperature: float | None = None) -> "Engine":
+             draft_temperature: float | None = None, plan_tokens: int | None = None) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -325,8 +326,13 @@ class Engine:
         draft "auto" chooses the draft (`planning.draft_choice`): among the candidates (the
         self-drafts, the default draft, same-tokenizer models beside the target and
         `draft_candidates`, none), the one predicted fastest at `draft_temperature` (None: over
-        T=0 and 0.6), each by its own profile and acceptance vectors.
+        T=0 and 0.6), each by its own profile and acceptance vectors. `plan_tokens`: the tokens the
+        generations will ask for (max_new_tokens), when known: the tree (and draft) chosen at load,
+        and the predictions printed for them, are for answers that long (None: long ones); each
+        generation re-chooses for its own max_new_tokens.
         """
+        if plan_tokens is not None and plan_tokens < 1:
+            raise UserError(f"plan_tokens must be >= 1, got {plan_tokens}")
         if overlap not in ("auto", "on", "off"):
             raise UserError(f"--overlap must be auto, on or off, got {overlap!r}")
         if str(draft) == "none":
@@ -340,13 +346,14 @@ class Engine:
             budgets = {"vram": free_vram if vram is None else vram, "ram": free_ram if ram is None else ram}
             for again in (False, True):
                 choice = choose_draft(target, kwargs, draft_temperature, draft_candidates, progress, force=again,
-                                      budgets=budgets)
+                                      budgets=budgets, length=plan_tokens)
                 if progress:
                     print(f"sequoia-offload: {choice.summary()}", file=sys.stderr)
                 try:
                     engine = cls.load(target, draft=None if choice.chosen == "none" else choice.chosen, tree=tree,
                                       specinfer_width=specinfer_width, acceptance=acceptance, adapt=adapt,
-                                      suffix_memory=suffix_memory, progress=progress, **{**kwargs, **budgets})
+                                      suffix_memory=suffix_memory, progress=progress, plan_tokens=plan_tokens,
+                                      **{**kwargs, **budgets})
                     break
                 except UserError:
                     if again or choice.chosen == "none":
@@ -418,11 +425,11 @@ class Engine:
             # or skipped by what the steps measure (`SuffixGate`); else SuffixDecoding's rule as is
             engine.suffix_gated = draft_model is None and auto and adapt
         if auto and draft_model is not None:
-            engine._plan_auto(acceptance, cap_budget, cap_depth, progress)
+            engine._plan_auto(acceptance, cap_budget, cap_depth, progress, plan_tokens)
         return engine
 
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
-                   progress: bool) -> None:
+                   progress: bool, length: int | None = None) -> None:
         from .planning import auto_tree, profiler
         from .speculation import measure
         # the vectors first: a profile measured now shapes its timed steps' trees by the pair's
@@ -432,7 +439,9 @@ class Engine:
         prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
             print(f"sequoia-offload: {'measured' if fresh else 'using'} the machine profile {path}", file=sys.stderr)
-        self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth)
+        # (the steps make the tokens after the prefill's first)
+        self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth,
+                                              None if length is None else max(1, length - 1))
         self.planners = {}  # made per request temperature on first use (`_planner`)
         if progress:
             for plan in self.auto_plans.values():
@@ -564,7 +573,8 @@ class Engine:
         auto = planner = None
         if self.auto_plans and self.draft is not None:
             auto, planner = self._planner(params)
-            spec, source = planner.begin(), auto.source
+            # (the first token comes from the prefill: the steps make the rest)
+            spec, source = planner.begin(max(1, budget - 1)), auto.source
         elif spec.kind == "sequoia" and self.stored_acceptance:
             vector, path, t = nearest(self.stored_acceptance, params.temperature)
             spec, source = replace(spec, acceptance=vector), f"{path.name} (measured at T={t:g})"
@@ -623,7 +633,7 @@ class Engine:
                 if decoder.last_proposal is not None and decoder.last_proposal.size > 1:
                     planner.observe_suffix(decoder.last_proposal, step.tokens)
                 nxt = planner.record(decoder.spec, decoder.last_model_verify, times, steps == 1,
-                                     arm=decoder.last_arm, tokens=len(step.tokens))
+                                     arm=decoder.last_arm, tokens=self._emitted(step.tokens, len(new), budget))
                 if nxt is not None:
                     decoder.set_spec(nxt)
         finish = "stop" if eos or stream.stopped else "length"
@@ -659,10 +669,17 @@ class Engine:
         plan = self.auto_plans[min(temps, key=lambda k: (abs(k - params.temperature), k))]
         key = round(params.temperature, 3)
         if key not in self.planners:
-            self.planners[key] = OnlinePlanner(plan.vector, plan.timings, plan.candidates, self.adapt)
+            self.planners[key] = OnlinePlanner(plan.vector, plan.timings, plan.candidates, self.adapt, plan.choice)
         planner = self.planners[key]
         planner.adapt = self.adapt
         return plan, planner
+
+    def _emitted(self, tokens: list[int], done: int, budget: int) -> int:
+        """Of a step's tokens, how many will be handed out after `done` tokens: up to the budget
+        and the first end-of-sequence token (a stop string is not foreseen here)."""
+        k = min(len(tokens), max(0, budget - done))
+        eos = next((i for i, t in enumerate(tokens[:k]) if t in self.eos_token_ids), None)
+        return k if eos is None else eos + 1
 
     def _emit(self, tokens: list[int], new: list[int], stream: TextStream, budget: int,
               on_token: OnToken | None) -> tuple[bool, bool]:

@@ -10,7 +10,17 @@ so that an accepted leaf has its K/V; f is the draft's part of a real step over 
 level times, a the per-step constant (negative where the loader reads the next pass's first
 layers while the draft runs), b the per-node cost of verification and commits; f, a and b are
 fitted to real steps by the profiler). Tokens per second = G(n, d) / that.
-Plain decoding costs t_target(1) + its own constant. `Candidates` keeps every (n, d)'s value and
+Plain decoding costs t_target(1) + its own constant.
+
+A generation of L tokens (`length`): its last step's tokens past the end (max_new_tokens, or
+the end-of-sequence token) are thrown away, so a deep tree's G overstates what a short answer
+gets. With a length, a tree's tokens per step is L / E[N(L)], N(L) the number of steps whose
+tokens reach L, each step's tokens X drawn from the tree's own distribution (P(X > j) = the sum
+of the path probabilities of its depth-j nodes, Sequoia's model): the renewal function
+m(l) = 1 + sum_k P(X = k) m(l - k), computed exactly up to EXACT_LENGTH and continued at slope
+1 / E[X] past it (m(l) - l / E[X] converges to (E[X^2] - E[X]) / (2 E[X]^2) within a few
+steps). Plain decoding (X = 1) wastes nothing: m(L) = L. Without a length (None), G as is: a
+long generation. `Candidates` keeps every (n, d)'s value and
 level widths, so that new timings are re-evaluated without filling the DP again (online
 re-planning). Timings are
 interpolated linearly between measured points (`Timings`); budgets beyond the largest measured
@@ -22,7 +32,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from .acceptance import AcceptanceVector
 from .dp import TreeTable
@@ -30,6 +43,7 @@ from .tree import TreePlan
 
 DEFAULT_BUDGETS = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024)
 DEFAULT_MAX_DEPTH = 24
+EXACT_LENGTH = 128  # the renewal function is computed exactly up to this many tokens (see above)
 
 
 def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
@@ -145,6 +159,9 @@ class Choice:
     level_widths: tuple[int, ...]
     tree: TreePlan
     overlap_seconds: float = 0.0  # of the draft's work, grown during the pass before the step
+    length: int | None = None  # the generation's tokens it was chosen for (None: a long one)
+    tree_tokens: float | None = None  # G(budget, depth) when tokens_per_step is for a length
+
 
     @property
     def seconds_per_token(self) -> float:
@@ -156,7 +173,9 @@ class Choice:
 
     def describe(self) -> str:
         over = f", {self.overlap_seconds:.3f} s of it during the pass" if self.overlap_seconds else ""
-        return (f"tree ({self.budget}, {self.depth}): {self.tokens_per_step:.2f} tokens/step predicted, "
+        cut = (f" ({self.tree_tokens:.2f} where no step is cut short by the end)"
+               if self.length is not None and self.tree_tokens is not None and self.budget > 1 else "")
+        return (f"tree ({self.budget}, {self.depth}): {self.tokens_per_step:.2f} tokens/step predicted{cut}, "
                 f"{self.seconds_per_step:.3f} s/step (target {self.target_seconds:.3f} s, draft "
                 f"{self.draft_seconds:.3f} s over {len(self.level_widths)} levels{over}, the rest "
                 f"{self.seconds_per_step - self.target_seconds - self.draft_seconds + self.overlap_seconds:+.3f} s), "
@@ -168,6 +187,55 @@ def level_widths(tree: TreePlan) -> tuple[int, ...]:
     for d in tree.depths:
         counts[d] += 1
     return tuple(counts)
+
+
+def step_tokens_distribution(tree: TreePlan, acceptance: AcceptanceVector) -> np.ndarray:
+    """P(X = k), k = 0 .. the tree's levels, for X the tokens one step over `tree` makes (the
+    accepted nodes and the bonus): P(X > j) is the sum of the path probabilities (the product of
+    probs[rank] along the path; 0 past the vector's width) of the tree's depth-j nodes. Its mean
+    is the tree's value G."""
+    probs = np.asarray(acceptance.probs, dtype=np.float64)
+    parents, ranks, depths = (np.asarray(x) for x in (tree.parents, tree.ranks, tree.depths))
+    q = np.where(ranks < len(probs), probs[np.minimum(ranks, len(probs) - 1)], 0.0)
+    f = np.ones(len(parents))
+    levels = int(depths.max()) + 1
+    reach = np.ones(levels + 1)  # reach[j] = P(X > j); reach[0] = 1, reach[levels] = 0
+    reach[levels] = 0.0
+    for j in range(1, levels):  # BFS order: a node's parent is one level up, already done
+        at = depths == j
+        f[at] = f[parents[at]] * q[at]
+        reach[j] = f[at].sum()
+    reach = np.minimum.accumulate(np.clip(reach, 0.0, 1.0))
+    pmf = np.zeros(levels + 1)
+    pmf[1:] = reach[:-1] - reach[1:]
+    return pmf
+
+
+def expected_steps(pmfs: np.ndarray, length: int) -> np.ndarray:
+    """E[N(length)] per row of `pmfs` (rows: P(X = k), k = 0 .. K, P(X = 0) = 0): the expected
+    number of steps whose tokens reach `length`, steps independent (the renewal function, see
+    the module's docstring)."""
+    pmfs = np.atleast_2d(np.asarray(pmfs, dtype=np.float64))
+    if length < 1:
+        return np.zeros(len(pmfs))
+    exact = min(length, EXACT_LENGTH)
+    m = np.zeros((len(pmfs), exact + 1))  # m[:, l], l = 0 .. exact
+    kmax = pmfs.shape[1] - 1
+    for l in range(1, exact + 1):
+        k = min(kmax, l - 1)  # steps of k < l tokens leave l - k to go; k >= l ends it
+        m[:, l] = 1.0 + (pmfs[:, 1:k + 1] * m[:, l - k:l][:, ::-1]).sum(axis=1)
+    out = m[:, exact]
+    if length > exact:
+        mean = (pmfs * np.arange(pmfs.shape[1])).sum(axis=1)
+        out = out + (length - exact) / mean
+    return out
+
+
+def tokens_per_step_for(pmf: np.ndarray, length: int | None) -> float:
+    """A step's tokens in a generation of `length` tokens: length / E[N(length)] (None: the mean)."""
+    if length is None:
+        return float((pmf * np.arange(len(pmf))).sum())
+    return length / float(expected_steps(pmf, length)[0])
 
 
 def evaluate(tree: TreePlan, timings: Timings) -> tuple[float, float, float, tuple[int, ...]]:
@@ -207,21 +275,65 @@ class Candidates:
                 tree = self.table.tree(n, d)
                 self._trees[(n, d)] = tree
                 self.items.append((n, d, value, level_widths(tree)))
+        self._pmfs: np.ndarray | None = None  # per item, P(X = k): made on the first use of a length
+        self._by_length: OrderedDict = OrderedDict()  # length -> tokens per step per item (a few kept)
 
-    def choice(self, n: int, d: int, timings: Timings) -> Choice | None:
-        """(n, d) evaluated under `timings` (n = 1: plain decoding); a depth left out as no better
-        than a shallower one is that one; None when the budget is not a candidate."""
+    def _pmf_rows(self) -> np.ndarray:
+        if self._pmfs is None or len(self._pmfs) != len(self.items):
+            rows = [step_tokens_distribution(self._trees[(n, d)], self.acceptance) for n, d, *_ in self.items]
+            width = max((len(r) for r in rows), default=1)
+            self._pmfs = np.array([np.pad(r, (0, width - len(r))) for r in rows]).reshape(len(rows), width)
+            self._by_length.clear()
+        return self._pmfs
+
+    def tokens_for(self, length: int | None) -> list[float]:
+        """Each item's tokens per step in a generation of `length` tokens (None: G)."""
+        if length is None:
+            return [value for _, _, value, _ in self.items]
+        length = max(1, int(length))
+        if length not in self._by_length or len(self._by_length[length]) != len(self.items):
+            pmfs = self._pmf_rows()
+            self._by_length[length] = list(length / expected_steps(pmfs, length)) if len(pmfs) else []
+            while len(self._by_length) > 8:
+                self._by_length.popitem(last=False)
+        self._by_length.move_to_end(length)
+        return self._by_length[length]
+
+    def emitted(self, n: int, d: int, left: int | None) -> float:
+        """The tokens one step of (n, d) is expected to hand out when `left` remain to be made:
+        E[min(X, left)] (None: E[X], the tree's value; n = 1: one)."""
+        if n == 1:
+            return 1.0
+        depths = [k for (m, k) in self._trees if m == n and k <= d]
+        d = max(depths)
+        if left is None:
+            return self._trees[(n, d)].expected_tokens
+        i = next(i for i, (m, k, *_) in enumerate(self.items) if (m, k) == (n, d))
+        pmf = self._pmf_rows()[i]
+        reach = pmf[::-1].cumsum()[::-1]  # reach[k] = P(X >= k)
+        return float(reach[1:max(1, left) + 1].sum())
+
+    def choice(self, n: int, d: int, timings: Timings, length: int | None = None) -> Choice | None:
+        """(n, d) evaluated under `timings` (n = 1: plain decoding) for a generation of `length`
+        tokens (None: a long one); a depth left out as no better than a shallower one is that
+        one; None when the budget is not a candidate."""
         if n == 1:
             plain = TreePlan((-1,), (0,), (0,), 1.0)
-            return Choice(1, 1, 1.0, timings.plain(), timings.target(1), 0.0, (1,), plain)
+            return Choice(1, 1, 1.0, timings.plain(), timings.target(1), 0.0, (1,), plain, length=length,
+                          tree_tokens=1.0)
         depths = [k for (m, k) in self._trees if m == n and k <= d]
         if not depths:
             return None
         d = max(depths)
         tree = self._trees[(n, d)]
+        tokens = tree.expected_tokens
+        if length is not None:
+            i = next(i for i, (m, k, *_) in enumerate(self.items) if (m, k) == (n, d))
+            tokens = self.tokens_for(length)[i]
         step, t_target, t_draft = timings.step(n, level_widths(tree))
-        return Choice(n, d, tree.expected_tokens, step, t_target, t_draft, level_widths(tree), tree,
-                      timings.overlapped(n, timings.draft_factor * t_draft))
+        return Choice(n, d, tokens, step, t_target, t_draft, level_widths(tree), tree,
+                      timings.overlapped(n, timings.draft_factor * t_draft), length=length,
+                      tree_tokens=tree.expected_tokens)
 
     def merged(self, other: "Candidates", above: int) -> "Candidates":
         """These candidates, and `other`'s with budgets over `above` (kept as they were)."""
@@ -229,30 +341,34 @@ class Candidates:
             if n > above:
                 self.items.append((n, d, value, widths))
                 self._trees[(n, d)] = other._trees[(n, d)]
+        self._pmfs = None  # (the merged trees' distributions: made again on first use)
+        self._by_length.clear()
         return self
 
-    def best(self, timings: Timings, allow_plain: bool = True) -> Choice:
+    def best(self, timings: Timings, allow_plain: bool = True, length: int | None = None) -> Choice:
         """The candidate with the most expected tokens per second (ties: the one found first,
-        the smaller tree), among budgets up to the widest measured pass."""
+        the smaller tree), among budgets up to the widest measured pass, for a generation of
+        `length` tokens (None: a long one; see the module's docstring)."""
         limit = timings.target_tokens[-1]
         best_key, best_rate = ((1, 1), 1.0 / timings.plain()) if allow_plain else (None, -1.0)
-        for n, d, value, widths in self.items:
+        for (n, d, _, widths), value in zip(self.items, self.tokens_for(length)):
             if n > limit:
                 continue
             rate = value / timings.step(n, widths)[0]
             if rate > best_rate * (1 + 1e-12):
                 best_key, best_rate = (n, d), rate
         if best_key is None:
-            return replace(self.choice(1, 1, timings), seconds_per_step=math.inf)
-        return self.choice(*best_key, timings)
+            return replace(self.choice(1, 1, timings, length), seconds_per_step=math.inf)
+        return self.choice(*best_key, timings, length)
 
 
 def choose(acceptance: AcceptanceVector, timings: Timings, budgets: tuple[int, ...] | None = None,
-           max_depth: int = DEFAULT_MAX_DEPTH, table: TreeTable | None = None, allow_plain: bool = True) -> Choice:
+           max_depth: int = DEFAULT_MAX_DEPTH, table: TreeTable | None = None, allow_plain: bool = True,
+           length: int | None = None) -> Choice:
     """The (budget, depth) with the most expected tokens per second (ties: the smaller tree).
     Budget 1 (plain decoding, no draft) is a candidate unless `allow_plain` is False: a useless
     draft is not used."""
     ns = candidates(timings, budgets)
     if table is None and max(ns) > 1:
         table = TreeTable(acceptance, max(ns), max_depth)
-    return Candidates(acceptance, ns, max_depth, table).best(timings, allow_plain)
+    return Candidates(acceptance, ns, max_depth, table).best(timings, allow_plain, length)

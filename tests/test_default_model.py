@@ -72,7 +72,7 @@ def test_demo_command_streams_an_answer():
     last = proc.stdout.splitlines()[-1]
     # the whole product: the default draft, --tree auto's choice and prediction, disk streaming
     assert "tokens/s" in last and "/step" in last and "plain streamed decoding" in last, last
-    assert "GB streamed" in last and "tree auto at T=0:" in proc.stderr
+    assert "GB streamed" in last and "tree auto at T=0 for answers of 128 tokens:" in proc.stderr
 
 
 def test_default_read_from_its_gguf_equals_its_float32_conversion(engine):

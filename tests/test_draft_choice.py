@@ -150,6 +150,10 @@ def test_plan_draft_auto_prints_the_table_and_named_candidates_join(folders, fak
     assert "| self-q4 |" in out and "**chosen**" in out and "draft auto: self-q4" in out
     assert "| /nowhere/model | - | - | - | dropped: --draft /nowhere/model: not a checkpoint folder" in out
     assert out.count(f"| {small} |") == 1  # named and found beside the target: once
+    assert main(["plan", "--target", str(target), "--device", "cpu", "--offload", "disk", "--draft", "auto",
+                 "--draft-candidates", f"{small},/nowhere/model", "--max-new-tokens", "17"]) == 0
+    out = capsys.readouterr().out
+    assert "T=0: tree, s/token (17 tokens)" in out and "for 17-token answers" in out
 
 
 def test_plain_decoding_is_pooled_over_the_profiles_of_one_plan():
@@ -219,3 +223,50 @@ def test_the_candidates_plain_times_are_pooled_when_chosen(folders, fakes, monke
             assert c.plain[t] == pytest.approx(pooled)
         none = next(c for c in engine.draft_choice.candidates if c.name == "none")
         assert none.predicted[t] == pytest.approx(pooled)
+
+
+def test_the_choice_is_for_the_answers_length():
+    """A deep-tree draft that wins long generations (0.08 s/token) loses 16-token ones to a
+    shallow one (0.14 against 0.10: its last step throws away what it accepted past the end),
+    and 4-token ones to plain decoding; between two of LENGTHS the prediction is linear in
+    1/length, past the longest it runs to the long-generation value."""
+    def cand(name, long, by_length, tree):
+        return draft_choice.Candidate(name, predicted={0.0: long}, plain={0.0: 0.12}, plain_measured={0.0: 0.12},
+                                      trees={0.0: tree}, by_length={0.0: by_length}, plan="p")
+    deep = cand("deep", 0.08, {4: [0.3, "(64,12)"], 16: [0.14, "(64,12)"], 32: [0.11, "(64,12)"],
+                               1024: [0.081, "(64,12)"]}, "(64,12)")
+    shallow = cand("shallow", 0.09, {4: [0.125, "(8,3)"], 16: [0.10, "(8,3)"], 32: [0.095, "(8,3)"],
+                                     1024: [0.0901, "(8,3)"]}, "(8,3)")
+    cands = [deep, shallow, draft_choice.Candidate("none")]
+    draft_choice.pool_plain(cands)
+    assert [draft_choice._pick(cands, 0.0, n).chosen for n in (None, 2048, 16, 4)] == ["deep", "deep", "shallow",
+                                                                                       "none"]
+    w = (1 / 16 - 1 / 24) / (1 / 16 - 1 / 32)
+    assert deep.at(0.0, 24)[0] == pytest.approx(0.14 + w * (0.11 - 0.14))
+    assert deep.at(0.0, 2048)[0] == pytest.approx(0.081 + 0.5 * (0.08 - 0.081))  # 1/2048 halfway to 0
+    assert deep.at(0.0, 2)[0] == 0.3 and deep.at(0.0, None)[0] == 0.08
+    choice = draft_choice._pick(cands, 0.0, 16)
+    assert "for 16-token answers" in choice.summary(0.0) and "(16 tokens)" in choice.table()
+    assert choice.speedup(0.0) == pytest.approx(0.12 / 0.10)
+
+
+def test_a_short_answer_length_is_carried_to_the_table_and_the_tree(folders, fakes):
+    """Engine.load(draft="auto", plan_tokens=N): the table (cached once for every length) is
+    read for N-token answers, the loaded engine's --tree auto choice is made for the N - 1 tokens
+    its steps make (the first comes from the prefill), and a later load for another length
+    re-uses the cached table (no candidate evaluated again)."""
+    target, _ = folders
+    engine = Engine.load(target, draft="auto", offload="disk", progress=False, plan_tokens=9)
+    engine.close()
+    evaluated = list(fakes)
+    choice = engine.draft_choice
+    assert choice.length == 9 and all(p.length == 8 for p in engine.auto_plans.values())
+    best = choice.best
+    assert set(best.by_length[0.0]) == set(draft_choice.LENGTHS)
+    plan = engine.auto_plans[0.0]
+    assert plan.choice.length == 8 and plan.choice.tokens_per_step <= plan.choice.tree_tokens
+    long = plan.for_length(None).choice
+    assert plan.choice.seconds_per_token >= long.seconds_per_token  # (a short answer wastes its last step's tail)
+    again = Engine.load(target, draft="auto", offload="disk", progress=False, plan_tokens=1000)
+    again.close()
+    assert list(fakes) == evaluated and again.draft_choice.length == 1000

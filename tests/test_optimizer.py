@@ -221,3 +221,66 @@ def test_the_step_models_terms_are_chosen_by_cross_validation(monkeypatch):
     monkeypatch.setattr(profiler, "STEP_TERMS", ("constant and per node",))  # the slope forced
     a2, b2, f2, _, cv2 = profiler.fit_step_model(shapes, times, slow)
     assert b2 < 0 and abs(predicted_16_4(a2, b2, f2) / measured - 1) > 0.05 and cv2 > cv
+
+
+# ---- the generation's length (a short answer throws away its last step's tokens past the end) ----
+
+def _steps_by_simulation(pmf, length: int, runs: int, seed: int):
+    """Mean and standard error of the steps whose tokens (drawn from pmf) reach `length`."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    draws = rng.choice(len(pmf), size=(runs, length), p=pmf / pmf.sum())
+    steps = (np.cumsum(draws, axis=1) < length).sum(axis=1) + 1
+    return steps.mean(), steps.std() / runs ** 0.5
+
+
+def test_the_steps_of_a_generation_are_the_renewal_function_of_the_trees_tokens():
+    import numpy as np
+    from sequoia_trees.optimizer import EXACT_LENGTH, expected_steps, step_tokens_distribution
+    # exact cases: X always 3 takes ceil(L / 3) steps; plain decoding (X = 1) L steps, wasting nothing
+    three, one = np.array([0, 0, 0, 1.0]), np.array([0, 1.0])
+    for length in (1, 2, 3, 4, 7, 9, 10, EXACT_LENGTH + 50):
+        assert expected_steps(three, length)[0] == pytest.approx(-(-length // 3), abs=0.34 if length > EXACT_LENGTH else 1e-9)
+        assert expected_steps(one, length)[0] == pytest.approx(length)
+    vector = AcceptanceVector((0.6, 0.15, 0.05, 0.03))
+    tree = optimal_tree(vector, 64, 12)
+    pmf = step_tokens_distribution(tree, vector)
+    # its mean is the tree's value (Sequoia's F(T)): the two are computed independently
+    assert (pmf * np.arange(len(pmf))).sum() == pytest.approx(tree.expected_tokens, rel=1e-9)
+    assert pmf[0] == 0 and pmf.sum() == pytest.approx(1.0)
+    # against simulated generations, within 4 standard errors (20,000 runs: about 0.01-0.1 steps),
+    # both sides of EXACT_LENGTH (past it the function is continued at slope 1 / E[X])
+    for length, seed in ((5, 1), (20, 2), (127, 3), (EXACT_LENGTH + 300, 4)):
+        mean, se = _steps_by_simulation(pmf, length, 20000, seed)
+        assert expected_steps(pmf, length)[0] == pytest.approx(mean, abs=4 * se), length
+    # a long generation's steps: L / E[X] plus the last step's waste, (E[X^2] - E[X]) / (2 E[X]^2)
+    k = np.arange(len(pmf))
+    ex, ex2 = (pmf * k).sum(), (pmf * k * k).sum()
+    assert expected_steps(pmf, 2000)[0] == pytest.approx(2000 / ex + (ex2 - ex) / (2 * ex * ex), rel=1e-4)
+
+
+def test_a_short_generation_chooses_a_shallower_tree_and_a_long_one_the_unbounded_choice():
+    from sequoia_trees.optimizer import Candidates
+    vector = AcceptanceVector((0.8, 0.1, 0.05))
+    ns = (1, 16, 32, 64, 128)
+    timings = Timings(ns, tuple(1.0 + n / 512 for n in ns), (1, 16, 64), (0.01, 0.015, 0.03))
+    cands = Candidates(vector, [2, 4, 8, 16, 32, 64, 96, 128], 12)
+    long, short = cands.best(timings), cands.best(timings, length=4)
+    assert short.depth < long.depth and short.length == 4 and long.length is None
+    # the short one's tokens per step: 4 / E[N(4)], under the tree's own value
+    assert short.tokens_per_step < short.tree_tokens and "where no step is cut short" in short.describe()
+    # each (budget, depth)'s value for 4 tokens is its own, and the short choice is their best
+    rates = {(n, d): cands.choice(n, d, timings, 4).tokens_per_second for n, d, *_ in cands.items}
+    assert rates[(short.budget, short.depth)] == pytest.approx(max(rates.values()))
+    very_long = cands.best(timings, length=100_000)
+    assert (very_long.budget, very_long.depth) == (long.budget, long.depth)
+    assert very_long.tokens_per_step == pytest.approx(long.tokens_per_step, rel=1e-3)
+    # what one step hands out with `left` tokens to go: E[min(X, left)], against simulation
+    import numpy as np
+    from sequoia_trees.optimizer import step_tokens_distribution
+    pmf = step_tokens_distribution(cands._trees[(long.budget, long.depth)], vector)
+    draws = np.random.default_rng(5).choice(len(pmf), size=20000, p=pmf)
+    for left in (1, 3, 6):
+        sim = np.minimum(draws, left)
+        assert cands.emitted(long.budget, long.depth, left) == pytest.approx(sim.mean(), abs=4 * sim.std() / 20000 ** 0.5)
+    assert cands.emitted(1, 1, 5) == 1.0

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import UserError
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
+DEMO_TOKENS = 128  # the demo's max_new_tokens (its tree and draft are chosen for answers this long)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cache-slots", type=int, default=1, help="KV caches kept for prefix reuse (serve)")
     plan.add_argument("--force", action="store_true", help="--draft auto: evaluate the candidates again even "
                                                            "when their table is cached")
+    plan.add_argument("--max-new-tokens", type=int, default=None,
+                      help="--draft auto: predict for answers of this many tokens (default: long ones)")
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     stream = bench_sub.add_parser("stream", help="disk-streamed pass time vs raw read time, and vs HF Accelerate")
@@ -267,9 +270,10 @@ def _candidates(args: argparse.Namespace) -> list[str] | None:
     return [x.strip() for x in given.split(",") if x.strip()] if given else None
 
 
-def _load(args: argparse.Namespace, quiet: bool = False, temperature: float | None = None):
-    """The engine the flags describe; `temperature`: the one the requests will use, when known
-    (--draft auto chooses for it)."""
+def _load(args: argparse.Namespace, quiet: bool = False, temperature: float | None = None,
+          tokens: int | None = None):
+    """The engine the flags describe; `temperature` and `tokens`: the requests' temperature and
+    max_new_tokens, when known (--draft auto and --tree auto choose for them)."""
     from ..engine import Engine
     if str(args.draft) == "none":
         args.draft = None
@@ -282,7 +286,7 @@ def _load(args: argparse.Namespace, quiet: bool = False, temperature: float | No
                        suffix_memory=getattr(args, "suffix_memory", 1_000_000),
                        verify_reads=getattr(args, "verify_reads", False), overlap=getattr(args, "overlap", "auto"),
                        progress=not quiet, draft_candidates=_candidates(args),
-                       draft_temperature=temperature)
+                       draft_temperature=temperature, plan_tokens=tokens)
 
 
 def _acceptance(path: str | None):
@@ -344,11 +348,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         import torch
         gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         args.offload = "auto" if gpu else "disk"
-    engine = _load(args, temperature=0.0)
+    engine = _load(args, temperature=0.0, tokens=DEMO_TOKENS)
     print(_draft_line(engine, 0.0))
     print(_model_line(engine))
     print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
-    result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=128,
+    result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=DEMO_TOKENS,
                              on_token=_printer)
     print("\n" + _stats_line(result.stats))
     return 0
@@ -391,7 +395,7 @@ def _messages(prompt: str, system: str | None) -> list[dict]:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise UserError("--system needs --chat (a plain prompt has no system message)")
-    engine = _load(args, quiet=args.json, temperature=args.temperature)
+    engine = _load(args, quiet=args.json, temperature=args.temperature, tokens=args.max_new_tokens)
     source = {"messages": _messages(args.prompt, args.system)} if args.chat else {"prompt": args.prompt}
     result = engine.generate(**source, **_sampling(args), on_token=None if args.json else _printer)
     if args.json:
@@ -402,7 +406,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _load(args, temperature=args.temperature)
+    engine = _load(args, temperature=args.temperature, tokens=args.max_new_tokens)
     print(_draft_line(engine, args.temperature))
     print(_model_line(engine))
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -519,7 +523,10 @@ def _plan_draft_auto(args: argparse.Namespace) -> int:
                   tree_budget=args.tree_budget, tree_depth=args.tree_depth,
                   verify_reads=getattr(args, "verify_reads", False), max_batch_tokens=1024,
                   overlap=getattr(args, "overlap", "auto"))  # (the key Engine.load's --draft auto uses)
-    choice = choose_draft(args.target, kwargs, None, _candidates(args), True, args.force)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    choice = choose_draft(args.target, kwargs, None, _candidates(args), True, args.force,
+                          length=args.max_new_tokens)
     print(choice.table())
     print(f"\n{choice.summary()}")
     from ..engine import resolve_target

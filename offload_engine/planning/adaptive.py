@@ -44,6 +44,15 @@ With suffix drafts alone (`--draft suffix`, no model), a `SuffixGate` weighs eac
 same way against plain decoding, its costs measured from the steps themselves (there is no draft
 to profile), and runs it whole, trimmed to its most probable nodes, or not at all.
 
+The generation's length counts too (`optimizer`'s docstring): `begin(length)` gives the tokens
+the steps are to make (max_new_tokens less the prefill's token), every choice is for the tokens
+still left (a deep tree's last step in a short answer throws away what it accepted past the
+end), and once fewer are left than TAIL steps of the current tree would make, the planner
+re-plans after every step (the last few tokens may be cheaper plainly or from a smaller tree).
+Each step's forecast is the tokens it is expected to hand out, E[min(X, left)], and what it
+measured is the tokens it did hand out. The length is max_new_tokens: an answer that ends
+earlier with its end-of-sequence token is not foreseen.
+
 A planner belongs to one request temperature (greedy and sampled requests never share one);
 what it learned carries over from one generation to the next.
 
@@ -79,6 +88,7 @@ PLAIN_CHECK_STEPS = 1  # plain steps per check (a plain step is timed on its fir
 PLAIN_CHECK_FIRST = 2  # tree steps before the first check
 PLAIN_CHECK_EVERY = 48  # tree steps between later checks
 PLAIN_CHECK_BELOW = 2.0  # checks only while the tree is predicted less than this much faster than plain
+TAIL = 2.0  # re-plan after every step once fewer tokens are left than this many steps of the tree's
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
@@ -386,6 +396,8 @@ class GenerationLog:
                 if self.predicted_tokens else None,
                 "measured_step_seconds_per_token": self.measured_seconds / self.measured_tokens
                 if self.measured_tokens else None,
+                # the tokens the steps were forecast to hand out, and did (the prefill's first not counted)
+                "forecast_tokens": self.predicted_tokens, "measured_tokens": self.measured_tokens,
                 "measured_plain_seconds_per_token": self.plain_seconds / self.plain_steps if self.plain_steps else None}
 
 
@@ -394,7 +406,10 @@ class OnlinePlanner:
     the next (what it learned carries over). `begin()` opens a generation and gives its first
     tree; `record()` takes each step's result and returns the next step's tree when it changes."""
 
-    def __init__(self, vector: AcceptanceVector, base: Timings, candidates: Candidates, adapt: bool = True):
+    def __init__(self, vector: AcceptanceVector, base: Timings, candidates: Candidates, adapt: bool = True,
+                 start: Choice | None = None):
+        """`start`: the first choice (default: the candidates' best under `base` for long
+        generations); without adaptation it is kept."""
         self.adapt = adapt
         self.accept = AcceptanceEstimate(vector)
         self.timing = TimingEstimate(base)
@@ -402,7 +417,7 @@ class OnlinePlanner:
         self.max_depth = candidates.max_depth
         self.budgets = sorted({n for n, *_ in candidates.items})
         self._table_vector = vector  # the vector the candidates were filled with
-        self.current = candidates.best(base)
+        self.current = start if start is not None else candidates.best(base)
         self.since_replan = 0
         self.plain_run = 0
         self.probe_wait = PROBE_EVERY
@@ -417,6 +432,7 @@ class OnlinePlanner:
         self.suffix = SuffixEstimate()
         self._reach_cache: dict = {}
         self._arm_prediction: tuple[float, float] | None = None  # (seconds, tokens) of a suffix/hybrid step
+        self.left: int | None = None  # tokens the generation's steps have yet to make (None: unbounded)
         self.log = GenerationLog(self.current, base.plain())
 
     @property
@@ -425,7 +441,7 @@ class OnlinePlanner:
 
     def _next(self) -> Choice:
         if self.checking:
-            return self.candidates.choice(1, 1, self.timing.timings())
+            return self.candidates.choice(1, 1, self.timing.timings(), self.left)
         return self._probe_choice if self.probing else self.current
 
     def spec(self, choice: Choice | None = None) -> TreeSpec:
@@ -434,15 +450,43 @@ class OnlinePlanner:
             return TreeSpec()
         return TreeSpec("sequoia", c.budget, c.depth, acceptance=self.candidates.acceptance, parents=c.tree.parents)
 
-    def begin(self) -> TreeSpec:
-        """A new generation: its first tree (a probe due at the end of the last generation runs
-        first: plain runs count across generations, so a chat of short answers probes too)."""
+    def begin(self, length: int | None = None) -> TreeSpec:
+        """A new generation whose steps are to make `length` tokens (None: unbounded): its first
+        tree, chosen for that length (with adaptation; a probe due at the end of the last
+        generation runs first: plain runs count across generations, so a chat of short answers
+        probes too)."""
+        self.left = None if length is None else max(1, int(length))
         timings = self.timing.timings()
+        if self.adapt:
+            self._rechoose(timings)
         self.log = GenerationLog(self._evaluate(self._next(), timings), timings.plain())
         return self.spec()
 
     def _evaluate(self, choice: Choice, timings: Timings) -> Choice | None:
-        return self.candidates.choice(choice.budget, choice.depth, timings)
+        return self.candidates.choice(choice.budget, choice.depth, timings, self.left)
+
+    def _rechoose(self, timings: Timings) -> bool:
+        """The best candidate for the tokens left under `timings`, taken when it is predicted
+        HYSTERESIS faster than the current choice (else the current one, evaluated afresh).
+        True when the tree changed."""
+        best = self.candidates.best(timings, length=self.left)
+        now = self._evaluate(self.current, timings)
+        switched = False
+        if now is None or best.seconds_per_token < now.seconds_per_token * (1 - HYSTERESIS):
+            if (best.budget, best.depth) != (self.current.budget, self.current.depth):
+                switched = True
+                if best.budget > 1:
+                    self.plain_run, self.probe_wait = 0, PROBE_EVERY
+                    if self.current.budget == 1:  # back on a tree: its own steps before a check
+                        self.tree_run = 0
+            self.current = best
+        else:
+            self.current = now
+        return switched
+
+    def _in_tail(self) -> bool:
+        return (self.left is not None and self.current.budget > 1
+                and self.left < TAIL * (self.current.tree_tokens or self.current.tokens_per_step))
 
     def _model_reach(self, c: Choice) -> list[float]:
         """The chance that a step of the tree `c` accepts at least j nodes, j = 1 .. its depth - 1:
@@ -516,12 +560,16 @@ class OnlinePlanner:
         log.trees[label if arm == "model" else "suffix" if arm == "suffix" else label + "+suffix"] += 1
         if arm != "model" and self._arm_prediction is not None:
             log.predicted_seconds += self._arm_prediction[0]
-            log.predicted_tokens += self._arm_prediction[1]
+            log.predicted_tokens += (self._arm_prediction[1] if self.left is None
+                                     else min(self._arm_prediction[1], self.left))
         else:
             log.predicted_seconds += predicted.seconds_per_step
-            log.predicted_tokens += predicted.tokens_per_step
+            log.predicted_tokens += self.candidates.emitted(predicted.budget, predicted.depth, self.left)
+        emitted = tokens if tokens is not None else len(result.accepted) + 1
         log.measured_seconds += times.total
-        log.measured_tokens += tokens if tokens is not None else len(result.accepted) + 1
+        log.measured_tokens += emitted
+        if self.left is not None:
+            self.left = max(1, self.left - emitted)
         if n == 1 and arm == "model":
             log.plain_steps += 1
             log.plain_seconds += times.total
@@ -545,13 +593,13 @@ class OnlinePlanner:
             self.tree_run += 1
         if self.current.budget == 1:
             self.plain_run += 1
-        if self.since_replan >= EVERY or was_probing or checked:
+        if self.since_replan >= EVERY or was_probing or checked or self._in_tail():
             self._replan()
         if was_probing:  # plain still chosen after a probe: wait longer before the next
             self.probe_wait = min(2 * self.probe_wait, PROBE_MAX) if self.current.budget == 1 else PROBE_EVERY
         if self.current.budget == 1 and self.plain_run >= min(self.probe_wait, PROBE_MAX):
             self.plain_run = 0
-            probe = self.candidates.best(self.timing.timings(), allow_plain=False)
+            probe = self.candidates.best(self.timing.timings(), allow_plain=False, length=self.left)
             if probe.budget > 1:
                 self.probing, self._probe_choice = True, probe
         if (self.current.budget > 1 and not self.probing and not self.checking
@@ -591,19 +639,7 @@ class OnlinePlanner:
             # the candidates above the refill keep their trees and values from the last fill
             self.candidates = refilled.merged(self.candidates, above=max(ns))
             self._table_vector = vector
-        timings = self.timing.timings()
-        best = self.candidates.best(timings)
-        now = self._evaluate(self.current, timings)
-        if now is None or best.seconds_per_token < now.seconds_per_token * (1 - HYSTERESIS):
-            if (best.budget, best.depth) != (self.current.budget, self.current.depth):
-                self.log.switches += 1
-                if best.budget > 1:
-                    self.plain_run, self.probe_wait = 0, PROBE_EVERY
-                    if self.current.budget == 1:  # back on a tree: its own steps before a check
-                        self.tree_run = 0
-            self.current = best
-        else:
-            self.current = now
+        self.log.switches += self._rechoose(self.timing.timings())
         spent = time.perf_counter() - t0
         self.log.replans += 1
         self.log.replan_seconds += spent

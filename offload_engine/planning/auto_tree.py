@@ -8,13 +8,15 @@ Inputs, each measured once and cached:
     format.
 Then the optimizer picks (budget, depth) per temperature; each generation starts from the choice
 of the vector nearest its temperature. A choice of budget 1 (the draft does not pay for itself)
-decodes plainly. With adaptation on (the default), `adaptive.OnlinePlanner` then re-chooses
+decodes plainly. The choice is for generations of `length` tokens when one is given (the last
+step of a short answer throws away what its tree accepted past the end: `optimizer`), else for
+long ones; each generation then re-chooses for its own max_new_tokens (`OnlinePlanner.begin`). With adaptation on (the default), `adaptive.OnlinePlanner` then re-chooses
 from the same candidates as the generation measures its steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sequoia_trees.acceptance import AcceptanceVector
@@ -36,34 +38,46 @@ class AutoPlan:
     best_tree: Choice  # the best speculative tree, chosen or not
     timings: Timings  # the profile's step model for this temperature (greedy or sampled)
     candidates: Candidates  # every (budget, depth) of the DP table, for re-planning
+    length: int | None = None  # the tokens the steps make (max_new_tokens - 1) `choice` was made for (None: many)
+
+    def for_length(self, length: int | None) -> "AutoPlan":
+        """This plan with its choice (and best tree) made for generations of `length` tokens."""
+        if length == self.length:
+            return self
+        choice = self.candidates.best(self.timings, length=length)
+        best_tree = choice if choice.budget > 1 else self.candidates.best(self.timings, False, length)
+        return replace(self, choice=choice, best_tree=best_tree, length=length)
 
     @property
     def predicted_speedup(self) -> float:
         return self.plain_seconds_per_token / self.choice.seconds_per_token
 
     def describe(self) -> str:
+        span = f" for answers of {self.length + 1} tokens" if self.length is not None else ""
         if self.choice.budget == 1:
             b = self.best_tree
-            return (f"tree auto at T={self.temperature:g}: plain decoding, {self.plain_seconds_per_token:.3f} "
+            return (f"tree auto at T={self.temperature:g}{span}: plain decoding, {self.plain_seconds_per_token:.3f} "
                     f"s/token predicted: the draft does not pay on this machine (the best tree, ({b.budget}, "
                     f"{b.depth}), predicts {b.tokens_per_step:.2f} tokens/step at {b.seconds_per_step:.3f} s/step = "
                     f"{b.seconds_per_token:.3f} s/token) [{self.source}]")
-        return (f"tree auto at T={self.temperature:g}: {self.choice.describe()}; predicted "
+        return (f"tree auto at T={self.temperature:g}{span}: {self.choice.describe()}; predicted "
                 f"{self.predicted_speedup:.2f}x over plain streamed decoding "
                 f"({self.plain_seconds_per_token:.3f} s/token) [{self.source}]")
 
 
 def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MAX_BUDGET,
-              max_depth: int = DEFAULT_MAX_DEPTH) -> dict[float, AutoPlan]:
+              max_depth: int = DEFAULT_MAX_DEPTH, length: int | None = None) -> dict[float, AutoPlan]:
+    """Per temperature of `vectors`, the optimizer's choice for generations of `length` tokens
+    (None: long ones)."""
     budgets = tuple(n for n in budget_grid(max_budget) if n <= max_budget)
     plans = {}
     for t, (vector, path) in vectors.items():
         timings = profile.timings(greedy=t == 0)
         ns = candidates(timings, budgets)
         cands = Candidates(vector, ns, max_depth, TreeTable(vector, max(max(ns), 2), max_depth))
-        choice = cands.best(timings)
-        best_tree = choice if choice.budget > 1 else cands.best(timings, allow_plain=False)
-        plans[t] = AutoPlan(t, vector, Path(path).name, choice, timings.plain(), best_tree, timings, cands)
+        choice = cands.best(timings, length=length)
+        best_tree = choice if choice.budget > 1 else cands.best(timings, False, length)
+        plans[t] = AutoPlan(t, vector, Path(path).name, choice, timings.plain(), best_tree, timings, cands, length)
     return plans
 
 

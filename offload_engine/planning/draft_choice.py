@@ -20,8 +20,12 @@ measured within one spell of the machine, while two profiles taken minutes apart
 decoding itself 0.10 and 0.15 s/token apart (the 2-vCPU machine, 2026-12-03). So the candidates
 whose target plan is the same (the same plain decoding) are put on one scale (`pool_plain`): their
 plain time is the median of their profiles', and each one's predicted s/token is its own
-speed-up applied to it; `none` is the fastest plan's plain time. The engine then loads the one
-predicted fastest (at the request temperature when known, else over both). The `suffix` draft
+speed-up applied to it; `none` is the fastest plan's plain time. Each candidate is predicted
+for generations of LENGTHS tokens too (a deep tree's last step in a short answer throws away
+what it accepted past the end, so a short answer can favour a shallower draft or none:
+`optimizer`), the length between two of them interpolated in 1/length. The engine then loads
+the one predicted fastest (at the request temperature when known, else over both; for the
+requests' max_new_tokens when known, else for long generations). The `suffix` draft
 is not a candidate: what it gains depends on text repeating, which nothing measured before the
 text predicts (it is listed, with that reason); `--draft suffix` or `X+suffix` choose it.
 
@@ -45,14 +49,16 @@ from ..fsutil import atomic_write_text, cache_root
 
 SELF_CANDIDATES = ("self-q8", "self-q4", "self-int8", "self-int4")
 TEMPERATURES = (0.0, 0.6)
-CHOICE_VERSION = 2  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`)
+CHOICE_VERSION = 3  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`); 3: by length
+LENGTHS = (16, 32, 64, 128, 256, 512, 1024)  # answer lengths (max_new_tokens) each candidate is predicted for
 DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's parameters (also `models`)
 
 
 @dataclass
 class Candidate:
     name: str  # the --draft value ("none": no draft)
-    predicted: dict = field(default_factory=dict)  # temperature -> predicted s/token
+    predicted: dict = field(default_factory=dict)  # temperature -> predicted s/token (long generations)
+    by_length: dict = field(default_factory=dict)  # temperature -> {length: [s/token, tree]} for LENGTHS
     plain: dict = field(default_factory=dict)  # temperature -> plain streamed decoding, predicted (pooled)
     plain_measured: dict = field(default_factory=dict)  # temperature -> plain as its own profile measured it
     plan: str = ""  # the target's plan it ran on (resident/RAM/disk layers, bytes a pass): plain's own
@@ -61,14 +67,35 @@ class Candidate:
     profile: str = ""  # the profile file its timings came from
     measured_at: str = ""  # that profile's own time stamp (measured again: the choice is made again)
 
-    def score(self, temperature: float | None) -> float:
-        """Predicted s/token at the temperature (the nearest measured), or the mean over both."""
+    def score(self, temperature: float | None, length: int | None = None) -> float:
+        """Predicted s/token at the temperature (the nearest measured), or the mean over both;
+        for generations of `length` tokens (None: long ones)."""
         if self.dropped or not self.predicted:
             return math.inf
         if temperature is None:
-            return sum(self.predicted.values()) / len(self.predicted)
-        t = min(self.predicted, key=lambda k: (abs(float(k) - temperature), float(k)))
-        return self.predicted[t]
+            return sum(self.at(t, length)[0] for t in self.predicted) / len(self.predicted)
+        return self.at(self.nearest(temperature), length)[0]
+
+    def nearest(self, temperature: float) -> float:
+        return min(self.predicted, key=lambda k: (abs(float(k) - temperature), float(k)))
+
+    def at(self, t: float, length: int | None) -> tuple[float, str]:
+        """(s/token, tree) at the measured temperature t for `length` tokens: between two of
+        LENGTHS (or the longest and a long generation) linear in 1/length, the tree of the
+        nearer; a length under the shortest takes the shortest's."""
+        long = (self.predicted[t], self.trees.get(t, "plain"))
+        table = {int(k): v for k, v in self.by_length.get(t, {}).items()}
+        if length is None or not table:
+            return long
+        points = sorted(table.items()) + [(math.inf, list(long))]
+        if length <= points[0][0]:
+            return tuple(points[0][1])
+        for (l0, (s0, tree0)), (l1, (s1, tree1)) in zip(points, points[1:]):
+            if l0 <= length <= l1:
+                x0, x1, x = 1 / l0, 1 / l1, 1 / length  # (1/inf = 0)
+                w = (x0 - x) / (x0 - x1)
+                return s0 + w * (s1 - s0), (tree1 if w >= 0.5 else tree0)
+        return long
 
 
 @dataclass
@@ -76,6 +103,7 @@ class DraftChoice:
     candidates: list[Candidate]
     chosen: str
     temperature: float | None
+    length: int | None = None  # the answers' tokens (max_new_tokens) it was chosen for (None: long ones)
 
     @property
     def best(self) -> Candidate:
@@ -87,7 +115,7 @@ class DraftChoice:
         if not c.plain:
             return 1.0
         plain = Candidate("plain", predicted=c.plain)
-        return plain.score(temperature) / c.score(temperature)
+        return plain.score(temperature) / c.score(temperature, self.length)
 
     def summary(self, temperature: float | None = None) -> str:
         """One line: the draft chosen, its tree and its predicted speed-up; its s/token as its
@@ -96,29 +124,32 @@ class DraftChoice:
         c = self.best
         t = temperature if temperature is not None else self.temperature
         key = min(c.trees, key=lambda k: abs(float(k) - (t or 0.0))) if c.trees else None
-        tree = c.trees.get(key, "plain") if key is not None else "plain"
-        own = c.score(t) * (c.plain_measured[key] / c.plain[key] if key in c.plain_measured and c.plain.get(key)
-                            else 1.0)
-        return (f"draft auto: {c.name}, tree {tree}, {own:.3f} s/token predicted, "
+        tree = c.at(key, self.length)[1] if key is not None else "plain"
+        own = c.score(t, self.length) * (c.plain_measured[key] / c.plain[key]
+                                         if key in c.plain_measured and c.plain.get(key) else 1.0)
+        span = f" for {self.length}-token answers" if self.length is not None else ""
+        return (f"draft auto: {c.name}, tree {tree}, {own:.3f} s/token predicted{span}, "
                 f"{self.speedup(t):.2f}x over plain streamed decoding "
                 f"({sum(1 for x in self.candidates if not x.dropped)} candidates; `plan --draft auto` lists them)")
 
     def table(self) -> str:
         temps = sorted({float(k) for c in self.candidates for k in c.predicted}) or list(TEMPERATURES)
-        head = ("| draft | " + " | ".join(f"T={t:g}: tree, s/token" for t in temps)
+        span = f" ({self.length} tokens)" if self.length is not None else ""
+        head = ("| draft | " + " | ".join(f"T={t:g}: tree, s/token{span}" for t in temps)
                 + " | speed-up over plain | |")
         lines = [head, "|---|" + "---|" * len(temps) + "---:|---|"]
-        for c in sorted(self.candidates, key=lambda c: (c.score(self.temperature), c.name)):
+        for c in sorted(self.candidates, key=lambda c: (c.score(self.temperature, self.length), c.name)):
             if c.dropped:
                 lines.append(f"| {c.name} | " + " | ".join("-" for _ in temps) + f" | - | dropped: {c.dropped} |")
                 continue
             cells = []
             for t in temps:
-                k = min(c.predicted, key=lambda x: abs(float(x) - t))
-                cells.append(f"{c.trees.get(k, 'plain')}, {c.predicted[k]:.3f}")
+                seconds, tree = c.at(c.nearest(t), self.length)
+                cells.append(f"{tree}, {seconds:.3f}")
             plain = Candidate("plain", predicted=c.plain).score(self.temperature) if c.plain else math.nan
             mark = "**chosen**" if c.name == self.chosen else ""
-            lines.append(f"| {c.name} | " + " | ".join(cells) + f" | {plain / c.score(self.temperature):.2f}x | {mark} |")
+            lines.append(f"| {c.name} | " + " | ".join(cells)
+                         + f" | {plain / c.score(self.temperature, self.length):.2f}x | {mark} |")
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -193,20 +224,20 @@ def choice_path(folder: Path, kwargs: dict, extra: list[str] | None) -> Path:
     return cache_root() / "draft-choice" / f"{folder.name}-{_key(folder, {**kwargs, 'candidates': extra})}.json"
 
 
-def _cached(path: Path, temperature: float | None) -> DraftChoice | None:
+def _cached(path: Path, temperature: float | None, length: int | None = None) -> DraftChoice | None:
     """The cached table, when it reads whole and every profile it used is still there."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("version") != CHOICE_VERSION:
             return None
         cands = [Candidate(**{**c, **{f: {float(k): v for k, v in c[f].items()}
-                                      for f in ("predicted", "plain", "plain_measured", "trees")}})
+                                      for f in ("predicted", "plain", "plain_measured", "trees", "by_length")}})
                  for c in data["candidates"]]
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None  # unreadable or of another form: chosen again
     if any(c.profile and _measured_at(c.profile) != c.measured_at for c in cands):
         return None  # a profile gone or measured again since
-    return _pick(cands, temperature)
+    return _pick(cands, temperature, length)
 
 
 def _measured_at(profile: str) -> str | None:
@@ -233,26 +264,32 @@ def pool_plain(cands: list[Candidate]) -> None:
             for c in group:
                 if t in c.plain_measured and t in c.predicted:
                     c.predicted[t] *= pooled / c.plain_measured[t]
+                    for entry in c.by_length.get(t, {}).values():
+                        entry[0] *= pooled / c.plain_measured[t]
                     c.plain[t] = pooled
     none = next(c for c in cands if c.name == "none")
     if fastest:
         none.predicted = dict(sorted(fastest.items()))
         none.plain, none.trees = dict(none.predicted), {t: "plain" for t in none.predicted}
+        none.by_length = {}  # (plain decoding wastes nothing: its s/token is the same at every length)
 
 
-def _pick(cands: list[Candidate], temperature: float | None) -> DraftChoice:
-    """The candidate predicted fastest (ties: the earlier); a draft whose best tree is plain
-    decoding at every temperature would only hold memory: `none` stands for it."""
-    useful = [c for c in cands if not c.dropped and (c.name == "none" or any(v != "plain" for v in c.trees.values()))]
-    best = min(useful, key=lambda c: c.score(temperature), default=None)
-    if best is None or not math.isfinite(best.score(temperature)):
+def _pick(cands: list[Candidate], temperature: float | None, length: int | None = None) -> DraftChoice:
+    """The candidate predicted fastest for `length`-token generations (ties: the earlier); a
+    draft whose best tree is plain decoding at every temperature would only hold memory: `none`
+    stands for it."""
+    def useful(c: Candidate) -> bool:
+        trees = [c.at(t, length)[1] for t in c.predicted]
+        return not c.dropped and (c.name == "none" or any(v != "plain" for v in trees))
+    best = min((c for c in cands if useful(c)), key=lambda c: c.score(temperature, length), default=None)
+    if best is None or not math.isfinite(best.score(temperature, length)):
         best = next(c for c in cands if c.name == "none")
-    return DraftChoice(cands, best.name, temperature)
+    return DraftChoice(cands, best.name, temperature, length)
 
 
 def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
                  temperature: float | None = None, extra: list[str] | None = None, progress: bool = True,
-                 force: bool = False, budgets: dict | None = None) -> DraftChoice:
+                 force: bool = False, budgets: dict | None = None, length: int | None = None) -> DraftChoice:
     """The table of candidates and the one to load (see the module's docstring), for the target
     checkpoint `folder` (`embedded`: the embedded default, which has a committed draft).
     `load_kwargs`: Engine.load's placement and tree flags as given (device, dtype, offload, vram,
@@ -260,7 +297,8 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
     verify_reads, overlap): the cache's key. `load` and `plan`: Engine.load and plan_only (the
     engine sits above this layer and hands them down: `engine.choose_draft`). `budgets`: vram and
     ram resolved once (the free memory before the first candidate), so that every candidate, and
-    then the one loaded, is planned alike."""
+    then the one loaded, is planned alike. `length`: the answers' tokens to choose for (the
+    requests' max_new_tokens; None: long generations; the table holds every length)."""
     import gc
 
     import torch
@@ -268,7 +306,7 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
     from .profiler import profile_path
     path = choice_path(folder, load_kwargs, extra)
     if not force and path.exists():
-        found = _cached(path, temperature)
+        found = _cached(path, temperature, length)
         if found is not None:
             return found
     plan_keys = ("device", "dtype", "max_context", "offload", "vram", "ram", "buffers", "draft_group_size",
@@ -296,7 +334,11 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
             for t, auto in engine.auto_plans.items():
                 c.predicted[t] = auto.choice.seconds_per_token
                 c.plain[t] = auto.plain_seconds_per_token
-                c.trees[t] = "plain" if auto.choice.budget == 1 else f"({auto.choice.budget},{auto.choice.depth})"
+                c.trees[t] = _tree(auto.choice)
+                c.by_length[t] = {}
+                for n in LENGTHS:  # (the steps make the tokens after the prefill's first)
+                    at = auto.for_length(n - 1).choice
+                    c.by_length[t][n] = [at.seconds_per_token, _tree(at)]
             c.plain_measured = dict(c.plain)
             p = engine.plan
             c.plan = (f"{len(p.resident_layers)} resident, {len(p.ram_layers)} RAM, {len(p.disk_layers)} disk layers, "
@@ -305,7 +347,7 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
             c.measured_at = _measured_at(c.profile) or ""
         except (UserError, RuntimeError, MemoryError) as e:  # (CUDA's out of memory is a RuntimeError)
             c.dropped = str(e).replace("\n", " ")[:300]
-            c.predicted, c.plain, c.plain_measured, c.trees = {}, {}, {}, {}
+            c.predicted, c.plain, c.plain_measured, c.trees, c.by_length = {}, {}, {}, {}, {}
         finally:
             if engine is not None:
                 engine.close()
@@ -314,7 +356,11 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     pool_plain(cands)
-    choice = _pick(cands, temperature)
+    choice = _pick(cands, temperature, length)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, choice.to_json())
     return choice
+
+
+def _tree(choice) -> str:
+    return "plain" if choice.budget == 1 else f"({choice.budget},{choice.depth})"

@@ -48,7 +48,8 @@ import torch
 
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import optimal_tree
-from sequoia_trees.optimizer import Choice, Timings, choose, evaluate
+from sequoia_trees.optimizer import (Choice, Timings, choose, evaluate, step_tokens_distribution,
+                                     tokens_per_step_for)
 
 from ..errors import UserError
 from ..formats.checkpoint import global_shapes, layer_shapes
@@ -252,14 +253,16 @@ def read_acceptance(path: str | Path | None) -> tuple[AcceptanceVector, str]:
 
 
 def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int, int] | None,
-                     tokens_per_step: float | None, max_budget: int, max_depth: int) -> Choice:
+                     tokens_per_step: float | None, max_budget: int, max_depth: int,
+                     length: int | None = None) -> Choice:
+    """`length`: the tokens a generation's steps make (None: many; `optimizer`'s docstring)."""
     if max_budget < 1 or max_depth < 1:
         raise UserError(f"--max-budget and --max-depth must be >= 1, got {max_budget}, {max_depth}")
     if tree is None:
         if tokens_per_step is not None:
             raise UserError("--tokens-per-step needs --tree N,D (a fixed tree whose tokens per step is known)")
         budgets = tuple(n for n in budget_grid(max_budget) if n <= max_budget)
-        return choose(vector, timings, budgets=budgets, max_depth=max_depth)
+        return choose(vector, timings, budgets=budgets, max_depth=max_depth, length=length)
     n, d = tree
     widest = timings.target_tokens[-1]
     if not (2 <= n <= widest and d >= 2):
@@ -272,8 +275,11 @@ def _fixed_or_chosen(vector: AcceptanceVector, timings: Timings, tree: tuple[int
         raise UserError(f"--tree {n},{d}: {e}") from None
     step, t_target, t_draft, widths = evaluate(plan_tree, timings)
     value = tokens_per_step if tokens_per_step is not None else plan_tree.expected_tokens
+    if length is not None and tokens_per_step is None:
+        value = tokens_per_step_for(step_tokens_distribution(plan_tree, vector), length)
     return Choice(n, d, value, step, t_target, t_draft, widths, plan_tree,
-                  timings.overlapped(n, timings.draft_factor * t_draft))
+                  timings.overlapped(n, timings.draft_factor * t_draft), length=length,
+                  tree_tokens=plan_tree.expected_tokens)
 
 
 def simulate(gpu: str | GpuSpec, ram: int, model: str | ModelConfig, draft: str | ModelConfig | None,
@@ -343,10 +349,11 @@ def _label(model) -> str | None:
 
 def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, temperature: float = 0.0,
                       tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
-                      max_budget: int = 1024, max_depth: int = 24) -> Simulation:
+                      max_budget: int = 1024, max_depth: int = 24, length: int | None = None) -> Simulation:
     """The prediction from a machine's measured profile: what `--tree auto` chooses there, with
     the pair's own vector (stored or cached, found by the profile's fingerprints, the one nearest
-    `temperature`) unless `acceptance` names a file; greedy timings at temperature 0."""
+    `temperature`) unless `acceptance` names a file; greedy timings at temperature 0; for
+    generations whose steps make `length` tokens (None: many)."""
     timings = profile.timings(greedy=temperature == 0)
     if acceptance is not None:
         vector, source = read_acceptance(acceptance)
@@ -358,7 +365,7 @@ def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, t
         vector, path, _ = nearest(found, temperature)
         source = path.name
     choice = _fixed_or_chosen(vector, timings, tree, tokens_per_step, min(max_budget, timings.target_tokens[-1]),
-                              max_depth)
+                              max_depth, length)
     setting = {"profile": profile.machine, "device": profile.device, "target": Path(profile.target).name,
                "draft": profile.draft_key, "plan": profile.plan}
     return Simulation(setting, None, timings, vector, source, choice, timings.target(1))
