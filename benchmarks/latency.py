@@ -373,6 +373,8 @@ def run(args: argparse.Namespace) -> dict:
                         steps = sum((Counter(pp["tree_steps"]) for pp in r["per_prompt"]), Counter())
                         row["trees"] = describe_trees(steps)
                     row["shared_engine"] = all(e is not engines[m["mode"]] for e in owned)  # a variant
+                    if getattr(engines[m["mode"]], "draft_choice", None) is not None:  # --draft auto's pick
+                        row["draft_chosen"] = engines[m["mode"]].draft_choice.chosen
                     if m["mode"] == "plain-streamed":
                         plain_ids[t] = r["token_ids"]
                     row["token_ids"] = r["token_ids"]
@@ -459,8 +461,9 @@ def markdown(res: dict) -> str:
         eq = "-" if r["equal_to_plain"] is None else ("yes" if r["equal_to_plain"] else "**NO**")
         mode = r["mode"] + (f" ({r['best_fixed_mode']})" if "best_fixed_mode" in r else "")
         if "vs_best_single" in r:
+            chose = f"chose {r['draft_chosen']}; " if r.get("draft_chosen") else ""
             mode += (f": {r['vs_best_single']:.2f}x the best single draft (per prompt, median "
-                     f"{r['vs_best_single_paired']:.2f}x); {r['trees']}")
+                     f"{r['vs_best_single_paired']:.2f}x); {chose}{r.get('trees', 'plain decoding')}")
         elif r["kind"] == "control":
             where = "the same engine" if r.get("shared_engine") else "a second engine"
             mode += (f": plain-streamed run again, {where} ({r['speedup_vs_plain_streamed']:.2f}x; per prompt, "
@@ -564,11 +567,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(res: dict, args) -> int:
+    if args.out:  # (first: a report that fails to print loses nothing measured)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(markdown(res))
     print(f"\n{res['setting']['prompts']} prompts x {res['setting']['max_new_tokens']} new tokens, "
           f"{res['seconds'] / 60:.1f} min on {res['machine']['machine']}, {res['machine']['date']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     if args.plots:
         for path in plots(res, Path(args.plots)):
             print(f"plot: {path}")

@@ -293,7 +293,7 @@ class Candidates:
         length = max(1, int(length))
         if length not in self._by_length or len(self._by_length[length]) != len(self.items):
             pmfs = self._pmf_rows()
-            self._by_length[length] = list(length / expected_steps(pmfs, length)) if len(pmfs) else []
+            self._by_length[length] = (length / expected_steps(pmfs, length)).tolist() if len(pmfs) else []
             while len(self._by_length) > 8:
                 self._by_length.popitem(last=False)
         self._by_length.move_to_end(length)

@@ -395,6 +395,8 @@ def test_the_steps_are_counted_by_what_they_hand_out(pair, tmp_path, monkeypatch
     accepted = sum(k * n for k, n in enumerate(fixed.stats["accepted_lengths"])) + fixed.stats["target_steps"]
     assert accepted > 47, "the last step should accept past the end for this test to mean anything"
     assert auto["measured_tokens"] == fixed.stats["new_tokens"] - 1 == 47
+    import json
+    json.dumps(fixed.stats)  # (plain Python numbers: `generate --json` and the server print them)
     # each step's forecast is E[min(X, tokens left)]: their sum is 47 in expectation (not per run)
     assert 0 < auto["forecast_tokens"] < 2 * 47
 

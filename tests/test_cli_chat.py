@@ -89,3 +89,21 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session_and_its_cache(folder, mon
     start = out.index("\n{\n") + 1  # /stats prints the last answer's stats as indented JSON
     last = json.loads(out[start: out.index("\n}", start) + 2])
     assert last["cached_prompt_tokens"] > 0  # the interrupted turn's cache was still good to reuse
+
+
+def test_the_auto_summary_says_what_its_speed_up_stands_on():
+    """The stats line's speed-up over plain decoding is against this run's plain steps, and it
+    says how many (one step on a disk whose speed moves is a noisy yardstick); with none, against
+    plain's time predicted from the run's steps."""
+    from offload_engine.apps.cli import _auto_summary
+    auto = {"budget": 12, "depth": 12, "trees": "(12,12) x 6 steps, plain x 1", "adapt": True,
+            "predicted_seconds_per_token": 0.124, "forecast_seconds_per_token": 0.123,
+            "measured_plain_seconds_per_token": 0.15, "plain_steps": 1, "adapted_plain_seconds_per_token": 0.13,
+            "predicted_speedup": 1.04}
+    line = _auto_summary({"decode_tokens_per_second": 10.0}, auto)
+    assert "1.50x over plain streamed decoding (0.150 s/token, 1 plain step measured here; 1.04x predicted" in line
+    line = _auto_summary({"decode_tokens_per_second": 10.0}, {**auto, "plain_steps": 3})
+    assert "3 plain steps measured here" in line
+    line = _auto_summary({"decode_tokens_per_second": 10.0},
+                         {**auto, "plain_steps": 0, "measured_plain_seconds_per_token": None})
+    assert "1.30x over plain streamed decoding (0.130 s/token, predicted from this run's steps" in line

@@ -135,7 +135,15 @@ def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pai
         ratios = sorted(b / a for a, b in zip(r["seconds_per_token_by_prompt"], single["seconds_per_token_by_prompt"]))
         assert r["vs_best_single_paired"] == pytest.approx(statistics.median(ratios))
         assert r["equal_to_plain"] is (True if t == 0 else None)
+        assert r["draft_chosen"] in ("self-int8", "self-q8", "none")
     assert "the best single draft" in capsys.readouterr().out
+    # --draft auto choosing no draft: its row has no trees, and the table says so
+    res = json.loads((tmp_path / "r.json").read_text())
+    for r in res["rows"]:
+        if r["mode"] == "draft-auto":
+            r.pop("trees", None)
+            r["draft_chosen"] = "none"
+    assert "chose none; plain decoding" in latency.markdown(res)
 
 
 def test_suffix_study_rows_and_their_plot(pair, tmp_path, monkeypatch):

@@ -267,6 +267,7 @@ def test_a_short_generation_chooses_a_shallower_tree_and_a_long_one_the_unbounde
     cands = Candidates(vector, [2, 4, 8, 16, 32, 64, 96, 128], 12)
     long, short = cands.best(timings), cands.best(timings, length=4)
     assert short.depth < long.depth and short.length == 4 and long.length is None
+    assert type(short.tokens_per_step) is float  # (not numpy's: stats are printed as JSON)
     # the short one's tokens per step: 4 / E[N(4)], under the tree's own value
     assert short.tokens_per_step < short.tree_tokens and "where no step is cut short" in short.describe()
     # each (budget, depth)'s value for 4 tokens is its own, and the short choice is their best

@@ -336,7 +336,10 @@ def _auto_summary(stats: dict, auto: dict) -> str:
             f"measured, {auto['predicted_seconds_per_token']:.3f} predicted at the start for {start}")
     if auto["adapt"] and auto["forecast_seconds_per_token"]:
         text += f", {auto['forecast_seconds_per_token']:.3f} forecast step by step"
-    plain, how = auto["measured_plain_seconds_per_token"], "its steps measured here"
+    k = auto.get("plain_steps", 0)
+    # (how many plain steps the measured speed-up stands on: one step on a disk whose speed moves
+    # 2x within a minute is a noisy yardstick, and the line says so)
+    plain, how = auto["measured_plain_seconds_per_token"], f"{k} plain step{'s' if k != 1 else ''} measured here"
     if plain is None:
         plain, how = auto["adapted_plain_seconds_per_token"], "predicted from this run's steps"
     return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "

@@ -398,7 +398,8 @@ class GenerationLog:
                 if self.measured_tokens else None,
                 # the tokens the steps were forecast to hand out, and did (the prefill's first not counted)
                 "forecast_tokens": self.predicted_tokens, "measured_tokens": self.measured_tokens,
-                "measured_plain_seconds_per_token": self.plain_seconds / self.plain_steps if self.plain_steps else None}
+                "measured_plain_seconds_per_token": self.plain_seconds / self.plain_steps if self.plain_steps else None,
+                "plain_steps": self.plain_steps}
 
 
 class OnlinePlanner:
