@@ -328,8 +328,9 @@ class Engine:
         `draft_candidates`, none), the one predicted fastest at `draft_temperature` (None: over
         T=0 and 0.6), each by its own profile and acceptance vectors. `plan_tokens`: the tokens the
         generations will ask for (max_new_tokens), when known: the tree (and draft) chosen at load,
-        and the predictions printed for them, are for answers that long (None: long ones); each
-        generation re-chooses for its own max_new_tokens.
+        and the predictions printed for them, are for answers that long (None: long ones); with
+        adaptation each generation re-chooses for its own max_new_tokens (adapt=False keeps the
+        load-time choice for every generation).
         """
         if plan_tokens is not None and plan_tokens < 1:
             raise UserError(f"plan_tokens must be >= 1, got {plan_tokens}")

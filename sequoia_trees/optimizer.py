@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -162,7 +161,6 @@ class Choice:
     length: int | None = None  # the generation's tokens it was chosen for (None: a long one)
     tree_tokens: float | None = None  # G(budget, depth) when tokens_per_step is for a length
 
-
     @property
     def seconds_per_token(self) -> float:
         return self.seconds_per_step / self.tokens_per_step
@@ -211,24 +209,34 @@ def step_tokens_distribution(tree: TreePlan, acceptance: AcceptanceVector) -> np
     return pmf
 
 
-def expected_steps(pmfs: np.ndarray, length: int) -> np.ndarray:
-    """E[N(length)] per row of `pmfs` (rows: P(X = k), k = 0 .. K, P(X = 0) = 0): the expected
-    number of steps whose tokens reach `length`, steps independent (the renewal function, see
-    the module's docstring)."""
+def renewal_table(pmfs: np.ndarray, upto: int = EXACT_LENGTH) -> np.ndarray:
+    """[rows, upto + 1]: m(l) for l = 0 .. upto per row of `pmfs` (rows: P(X = k), k = 0 .. K,
+    P(X = 0) = 0), the expected number of steps whose tokens reach l, steps independent (the
+    renewal function, see the module's docstring)."""
     pmfs = np.atleast_2d(np.asarray(pmfs, dtype=np.float64))
-    if length < 1:
-        return np.zeros(len(pmfs))
-    exact = min(length, EXACT_LENGTH)
-    m = np.zeros((len(pmfs), exact + 1))  # m[:, l], l = 0 .. exact
+    m = np.zeros((len(pmfs), upto + 1))
     kmax = pmfs.shape[1] - 1
-    for l in range(1, exact + 1):
+    for l in range(1, upto + 1):
         k = min(kmax, l - 1)  # steps of k < l tokens leave l - k to go; k >= l ends it
         m[:, l] = 1.0 + (pmfs[:, 1:k + 1] * m[:, l - k:l][:, ::-1]).sum(axis=1)
-    out = m[:, exact]
-    if length > exact:
-        mean = (pmfs * np.arange(pmfs.shape[1])).sum(axis=1)
-        out = out + (length - exact) / mean
-    return out
+    return m
+
+
+def steps_from_table(table: np.ndarray, means: np.ndarray, length: int) -> np.ndarray:
+    """E[N(length)] per row from its `renewal_table` (continued at slope 1 / mean past its end)."""
+    if length < 1:
+        return np.zeros(len(table))
+    upto = table.shape[1] - 1
+    if length <= upto:
+        return table[:, length]
+    return table[:, upto] + (length - upto) / means
+
+
+def expected_steps(pmfs: np.ndarray, length: int) -> np.ndarray:
+    """E[N(length)] per row of `pmfs` (see `renewal_table`; exact up to EXACT_LENGTH)."""
+    pmfs = np.atleast_2d(np.asarray(pmfs, dtype=np.float64))
+    means = (pmfs * np.arange(pmfs.shape[1])).sum(axis=1)
+    return steps_from_table(renewal_table(pmfs, min(max(length, 0), EXACT_LENGTH)), means, length)
 
 
 def tokens_per_step_for(pmf: np.ndarray, length: int | None) -> float:
@@ -275,41 +283,49 @@ class Candidates:
                 tree = self.table.tree(n, d)
                 self._trees[(n, d)] = tree
                 self.items.append((n, d, value, level_widths(tree)))
-        self._pmfs: np.ndarray | None = None  # per item, P(X = k): made on the first use of a length
-        self._by_length: OrderedDict = OrderedDict()  # length -> tokens per step per item (a few kept)
+        # per item, P(X = k) (each under the vector its tree was filled with), the renewal table
+        # m(0 .. EXACT_LENGTH) and E[X]: made on the first use of a length, then lookups
+        self._pmfs: np.ndarray | None = None
+        self._renewal: np.ndarray | None = None
+        self._means: np.ndarray | None = None
+        self._index = {(n, d): i for i, (n, d, *_) in enumerate(self.items)}
 
     def _pmf_rows(self) -> np.ndarray:
         if self._pmfs is None or len(self._pmfs) != len(self.items):
-            rows = [step_tokens_distribution(self._trees[(n, d)], self.acceptance) for n, d, *_ in self.items]
-            width = max((len(r) for r in rows), default=1)
-            self._pmfs = np.array([np.pad(r, (0, width - len(r))) for r in rows]).reshape(len(rows), width)
-            self._by_length.clear()
+            self._set_rows([step_tokens_distribution(self._trees[(n, d)], self.acceptance)
+                            for n, d, *_ in self.items])
         return self._pmfs
+
+    def _set_rows(self, rows: list) -> None:
+        width = max((len(r) for r in rows), default=2)
+        self._pmfs = np.array([np.pad(r, (0, width - len(r))) for r in rows]).reshape(len(rows), width)
+        self._means = (self._pmfs * np.arange(width)).sum(axis=1)
+        self._renewal = renewal_table(self._pmfs)
+        self._index = {(n, d): i for i, (n, d, *_) in enumerate(self.items)}
 
     def tokens_for(self, length: int | None) -> list[float]:
         """Each item's tokens per step in a generation of `length` tokens (None: G)."""
         if length is None:
             return [value for _, _, value, _ in self.items]
+        if not self.items:
+            return []
         length = max(1, int(length))
-        if length not in self._by_length or len(self._by_length[length]) != len(self.items):
-            pmfs = self._pmf_rows()
-            self._by_length[length] = (length / expected_steps(pmfs, length)).tolist() if len(pmfs) else []
-            while len(self._by_length) > 8:
-                self._by_length.popitem(last=False)
-        self._by_length.move_to_end(length)
-        return self._by_length[length]
+        self._pmf_rows()
+        return (length / steps_from_table(self._renewal, self._means, length)).tolist()
 
-    def emitted(self, n: int, d: int, left: int | None) -> float:
+    def emitted(self, n: int, d: int, left: int | None) -> float | None:
         """The tokens one step of (n, d) is expected to hand out when `left` remain to be made:
-        E[min(X, left)] (None: E[X], the tree's value; n = 1: one)."""
+        E[min(X, left)] (None: E[X], the tree's value; n = 1: one); None when the budget is
+        not a candidate."""
         if n == 1:
             return 1.0
         depths = [k for (m, k) in self._trees if m == n and k <= d]
+        if not depths:
+            return None
         d = max(depths)
         if left is None:
             return self._trees[(n, d)].expected_tokens
-        i = next(i for i, (m, k, *_) in enumerate(self.items) if (m, k) == (n, d))
-        pmf = self._pmf_rows()[i]
+        pmf = self._pmf_rows()[self._index[(n, d)]]
         reach = pmf[::-1].cumsum()[::-1]  # reach[k] = P(X >= k)
         return float(reach[1:max(1, left) + 1].sum())
 
@@ -328,21 +344,25 @@ class Candidates:
         tree = self._trees[(n, d)]
         tokens = tree.expected_tokens
         if length is not None:
-            i = next(i for i, (m, k, *_) in enumerate(self.items) if (m, k) == (n, d))
-            tokens = self.tokens_for(length)[i]
+            self._pmf_rows()
+            i, length = self._index[(n, d)], max(1, int(length))
+            tokens = float(length / steps_from_table(self._renewal[i:i + 1], self._means[i:i + 1], length)[0])
         step, t_target, t_draft = timings.step(n, level_widths(tree))
         return Choice(n, d, tokens, step, t_target, t_draft, level_widths(tree), tree,
                       timings.overlapped(n, timings.draft_factor * t_draft), length=length,
                       tree_tokens=tree.expected_tokens)
 
     def merged(self, other: "Candidates", above: int) -> "Candidates":
-        """These candidates, and `other`'s with budgets over `above` (kept as they were)."""
-        for n, d, value, widths in other.items:
-            if n > above:
-                self.items.append((n, d, value, widths))
-                self._trees[(n, d)] = other._trees[(n, d)]
-        self._pmfs = None  # (the merged trees' distributions: made again on first use)
-        self._by_length.clear()
+        """These candidates, and `other`'s with budgets over `above` (kept as they were: their
+        trees, values and step-token distributions all under the vector they were filled with)."""
+        kept = [(i, item) for i, item in enumerate(other.items) if item[0] > above]
+        if not kept:
+            return self
+        rows = list(self._pmf_rows()) + [other._pmf_rows()[i] for i, _ in kept]
+        for _, (n, d, value, widths) in kept:
+            self.items.append((n, d, value, widths))
+            self._trees[(n, d)] = other._trees[(n, d)]
+        self._set_rows(rows)
         return self
 
     def best(self, timings: Timings, allow_plain: bool = True, length: int | None = None) -> Choice:

@@ -247,9 +247,10 @@ def test_no_adapt_keeps_the_choice_and_still_logs_it():
 def _generations(planner: OnlinePlanner, world: World, length: int, count: int, aware: bool = True):
     """`count` generations whose steps make `length` tokens each (a step's tokens past the end
     thrown away, as the engine does); the planner told the length (`aware`) or not. Returns the
-    measured s/token and the planner's forecast s/token (its logs' predicted seconds over
-    predicted tokens), both over all generations."""
+    measured s/token, the planner's forecast s/token (its logs' predicted seconds over
+    predicted tokens), both over all generations, and the trees its steps used."""
     secs = tokens = forecast_s = forecast_tokens = 0.0
+    trees = Counter()
     for _ in range(count):
         spec, left, k = planner.begin(length if aware else None), length, 0
         while left > 0:
@@ -260,8 +261,9 @@ def _generations(planner: OnlinePlanner, world: World, length: int, count: int, 
             secs, tokens = secs + times.total, tokens + emitted
         forecast_s += planner.log.predicted_seconds
         forecast_tokens += planner.log.predicted_tokens
+        trees += planner.log.trees
         assert planner.log.measured_tokens == length  # what the steps handed out, not what they accepted
-    return secs / tokens, forecast_s / forecast_tokens
+    return secs / tokens, forecast_s / forecast_tokens, trees
 
 
 def test_short_answers_are_planned_for_their_length_and_forecast_truly():
@@ -278,8 +280,12 @@ def test_short_answers_are_planned_for_their_length_and_forecast_truly():
     told = _planner(vector, base)
     told.begin(8)
     assert told.current.depth < long.depth  # chosen for 8 tokens at the start
-    aware, aware_forecast = _generations(_planner(vector, base), World(vector, base, seed=11), 8, 200)
-    blind, blind_forecast = _generations(_planner(vector, base), World(vector, base, seed=12), 8, 200, aware=False)
+    aware, aware_forecast, aware_trees = _generations(_planner(vector, base), World(vector, base, seed=11), 8, 200)
+    blind, blind_forecast, blind_trees = _generations(_planner(vector, base), World(vector, base, seed=12), 8, 200,
+                                                      aware=False)
+    assert set(blind_trees) == {"(96,12)"}, blind_trees  # not told: the deep tree, every step
+    # told: shallower trees, and in the tail (the second step of an 8-token answer) smaller ones still
+    assert "(96,12)" not in aware_trees and len(aware_trees) >= 2, aware_trees
     assert aware <= 0.95 * blind, (aware, blind)
     assert aware_forecast == pytest.approx(aware, rel=0.05)
     assert blind_forecast < 0.85 * blind
@@ -397,6 +403,7 @@ def test_the_steps_are_counted_by_what_they_hand_out(pair, tmp_path, monkeypatch
     assert auto["measured_tokens"] == fixed.stats["new_tokens"] - 1 == 47
     import json
     json.dumps(fixed.stats)  # (plain Python numbers: `generate --json` and the server print them)
-    # each step's forecast is E[min(X, tokens left)]: their sum is 47 in expectation (not per run)
-    assert 0 < auto["forecast_tokens"] < 2 * 47
+    # each step's forecast is E[min(X, tokens left)] (their sum is 47 in expectation), less than
+    # the tree's whole value G per step (the forecast before the answer's length counted)
+    assert 0 < auto["forecast_tokens"] < fixed.stats["target_steps"] * auto["predicted_tokens_per_step"] - 0.1
 

@@ -270,3 +270,10 @@ def test_a_short_answer_length_is_carried_to_the_table_and_the_tree(folders, fak
     again = Engine.load(target, draft="auto", offload="disk", progress=False, plan_tokens=1000)
     again.close()
     assert list(fakes) == evaluated and again.draft_choice.length == 1000
+    # the cached table reads as the fresh one did (its lengths' keys back from JSON strings)
+    assert any(c.by_length for c in choice.candidates)
+    for fresh, cached in zip(choice.candidates, again.draft_choice.candidates):
+        for n in (9, 100, 1000, None):
+            for t in fresh.predicted:
+                (s1, tree1), (s2, tree2) = fresh.at(t, n), cached.at(t, n)
+                assert s2 == pytest.approx(s1) and tree2 == tree1, (fresh.name, t, n)

@@ -285,3 +285,19 @@ def test_a_short_generation_chooses_a_shallower_tree_and_a_long_one_the_unbounde
         sim = np.minimum(draws, left)
         assert cands.emitted(long.budget, long.depth, left) == pytest.approx(sim.mean(), abs=4 * sim.std() / 20000 ** 0.5)
     assert cands.emitted(1, 1, 5) == 1.0
+
+
+def test_merged_candidates_keep_each_trees_own_distribution():
+    """Online re-planning refills the small budgets under a new vector and keeps the large ones
+    from the last fill (`Candidates.merged`): a kept tree's step-token distribution stays the one
+    of the vector it was filled with, so its tokens per step for a very long answer is its value G
+    (and not G's of one vector beside the distribution of another)."""
+    from sequoia_trees.optimizer import Candidates
+    old, new = AcceptanceVector((0.8, 0.1, 0.05)), AcceptanceVector((0.3, 0.1, 0.05))
+    kept = Candidates(old, [2, 4, 8, 16, 32, 64], 8)
+    kept.tokens_for(10)  # (its distributions made before the merge, as a planner's would be)
+    merged = Candidates(new, [2, 4, 8, 16], 8).merged(kept, above=16)
+    values, long = merged.tokens_for(None), merged.tokens_for(10**7)
+    assert any(n > 16 for n, *_ in merged.items)
+    for (n, d, *_), g, t in zip(merged.items, values, long):
+        assert t == pytest.approx(g, rel=1e-4), (n, d)

@@ -367,6 +367,10 @@ def test_the_arm_chosen_is_the_one_predicted_fastest():
         planner.observe_suffix(chain([1, 2, 3, 4], 1), [9])
     assert planner.choose_arm(chain([1, 2, 3, 4], 8)) == "suffix"
     assert planner.choose_arm(chain([1, 2, 3, 4], 1)) == "model"
+    # with one token left to make, the proposal's tokens past it are worth nothing: a plain step
+    # hands out the same token for a narrower pass
+    planner.begin(1)
+    assert planner.choose_arm(chain([1, 2, 3, 4], 8)) == "model"
     strong = AcceptanceVector((0.8, 0.1))
     cheap_draft = Timings(ns, tuple(1.0 + 0.001 * n for n in ns), (1, 16), (0.01, 0.01))
     planner = OnlinePlanner(strong, cheap_draft, Candidates(strong, [2, 4, 8], 4, TreeTable(strong, 8, 4)))

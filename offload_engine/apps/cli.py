@@ -275,6 +275,8 @@ def _load(args: argparse.Namespace, quiet: bool = False, temperature: float | No
     """The engine the flags describe; `temperature` and `tokens`: the requests' temperature and
     max_new_tokens, when known (--draft auto and --tree auto choose for them)."""
     from ..engine import Engine
+    if tokens is not None and tokens < 1:  # (before loading anything)
+        raise UserError(f"max_new_tokens must be >= 1, got {tokens} (--max-new-tokens)")
     if str(args.draft) == "none":
         args.draft = None
     return Engine.load(args.target, device=args.device, dtype=args.dtype, max_context=args.max_context,
@@ -499,6 +501,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if str(args.draft) == "auto":
         return _plan_draft_auto(args)
+    if args.max_new_tokens is not None:
+        raise UserError("plan --max-new-tokens is for --draft auto (the candidates predicted for answers that long)")
     plan, folder, device, dtype = plan_for(args.weights)
     print(f"target: {folder} on {device} ({dtype}), --offload {args.offload}, --weights {args.weights}\n")
     print(plan.table())

@@ -513,7 +513,9 @@ class OnlinePlanner:
         "suffix" (the proposal alone) or "hybrid" (the proposal grafted onto the tree), whichever
         is predicted fastest per token. A hybrid step reaches depth j unless both the model's tree
         and the proposal stop short of it, taken as independent (an estimate: both follow likely
-        text, so it errs towards the hybrid)."""
+        text, so it errs towards the hybrid). Each arm's tokens are what one step is expected to
+        hand out, E[min(X, tokens left)], so that near the end of an answer no arm is credited
+        with tokens past it."""
         if not self.adapt:
             return "hybrid" if self._next().budget > 1 else "suffix"
         timings = self.timing.timings()
@@ -527,12 +529,17 @@ class OnlinePlanner:
         catch_up = timings.draft_factor * timings.draft(1 + round(gain)) if c.budget > 1 else 0.0
         t_pass = _pass(timings, 1 + k)
         t_suffix = max(0.25 * t_pass, t_pass + timings.step_seconds + timings.node_seconds * (1 + k)) + catch_up
-        options = {"model": (c.seconds_per_step, c.tokens_per_step), "suffix": (t_suffix, 1 + gain)}
+        cut = None if self.left is None else max(0, self.left - 1)  # accepted tokens that can be used
+
+        def handed_out(reach: list[float]) -> float:  # 1 + E[min(accepted, left - 1)]
+            return 1.0 + sum(reach[:cut] if cut is not None else reach)
+        model_tokens = self.candidates.emitted(c.budget, c.depth, self.left) or c.tokens_per_step
+        options = {"model": (c.seconds_per_step, model_tokens), "suffix": (t_suffix, handed_out(s_reach))}
         if c.budget > 1:
             m_reach = self._model_reach(c)
             depth = max(len(m_reach), len(s_reach))
             m_reach, s_reach = m_reach + [0.0] * (depth - len(m_reach)), s_reach + [0.0] * (depth - len(s_reach))
-            tokens = 1 + sum(1 - (1 - a) * (1 - b) for a, b in zip(m_reach, s_reach))
+            tokens = handed_out([1 - (1 - a) * (1 - b) for a, b in zip(m_reach, s_reach)])
             extra = max(0.0, _pass(timings, c.budget + k) - _pass(timings, c.budget)) + timings.node_seconds * k
             # the draft catches up on grafted nodes accepted where its own were not
             extra += catch_up * max(0.0, 1.0 - (m_reach[0] if m_reach else 0.0))
@@ -561,11 +568,11 @@ class OnlinePlanner:
         log.trees[label if arm == "model" else "suffix" if arm == "suffix" else label + "+suffix"] += 1
         if arm != "model" and self._arm_prediction is not None:
             log.predicted_seconds += self._arm_prediction[0]
-            log.predicted_tokens += (self._arm_prediction[1] if self.left is None
-                                     else min(self._arm_prediction[1], self.left))
+            log.predicted_tokens += self._arm_prediction[1]  # (already what it hands out: `choose_arm`)
         else:
             log.predicted_seconds += predicted.seconds_per_step
-            log.predicted_tokens += self.candidates.emitted(predicted.budget, predicted.depth, self.left)
+            log.predicted_tokens += (self.candidates.emitted(predicted.budget, predicted.depth, self.left)
+                                     or predicted.tokens_per_step)
         emitted = tokens if tokens is not None else len(result.accepted) + 1
         log.measured_seconds += times.total
         log.measured_tokens += emitted
@@ -636,6 +643,8 @@ class OnlinePlanner:
         if moved > REFILL_DISTANCE and ns and units * self.refill_rate < allowance:
             t_fill = time.perf_counter()
             refilled = Candidates(vector, ns, self.max_depth, TreeTable(vector, max(ns), self.max_depth))
+            if self.left is not None:  # (its step-token distributions too: what a length reads)
+                refilled.tokens_for(1)
             self.refill_rate = (time.perf_counter() - t_fill) / units
             # the candidates above the refill keep their trees and values from the last fill
             self.candidates = refilled.merged(self.candidates, above=max(ns))
