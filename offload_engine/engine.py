@@ -638,6 +638,8 @@ class Engine:
                 if nxt is not None:
                     decoder.set_spec(nxt)
         finish = "stop" if eos or stream.stopped else "length"
+        if planner is not None:  # (an answer that ended on its own tells the planner how long answers are)
+            planner.finish(len(new) - 1, finish == "stop")
         seconds = time.perf_counter() - start
         suffix_stats = None
         if drafter is not None:  # this request's new text joins its key's store

@@ -50,8 +50,11 @@ still left (a deep tree's last step in a short answer throws away what it accept
 end), and once fewer are left than TAIL steps of the current tree would make, the planner
 re-plans after every step (the last few tokens may be cheaper plainly or from a smaller tree).
 Each step's forecast is the tokens it is expected to hand out, E[min(X, left)], and what it
-measured is the tokens it did hand out. The length is max_new_tokens: an answer that ends
-earlier with its end-of-sequence token is not foreseen.
+measured is the tokens it did hand out. The length is max_new_tokens, unless earlier answers
+say that answers end sooner with their end-of-sequence token: once LENGTH_MIN of the last
+LENGTH_WINDOW answers that ended on their own (`finish`) are longer than this one so far, the
+tokens left are taken as the median of what those had left, capped by max_new_tokens
+(`planning_length`). The forecast keeps to max_new_tokens, the only bound a step cannot pass.
 
 A planner belongs to one request temperature (greedy and sampled requests never share one);
 what it learned carries over from one generation to the next.
@@ -89,6 +92,8 @@ PLAIN_CHECK_FIRST = 2  # tree steps before the first check
 PLAIN_CHECK_EVERY = 48  # tree steps between later checks
 PLAIN_CHECK_BELOW = 2.0  # checks only while the tree is predicted less than this much faster than plain
 TAIL = 2.0  # re-plan after every step once fewer tokens are left than this many steps of the tree's
+LENGTH_WINDOW = 16  # answers that ended on their own whose lengths predict the next one's
+LENGTH_MIN = 3  # ... used once at least this many of them are longer than the answer so far
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
@@ -434,6 +439,8 @@ class OnlinePlanner:
         self._reach_cache: dict = {}
         self._arm_prediction: tuple[float, float] | None = None  # (seconds, tokens) of a suffix/hybrid step
         self.left: int | None = None  # tokens the generation's steps have yet to make (None: unbounded)
+        self.done = 0  # tokens the generation's steps have made
+        self.ended: deque = deque(maxlen=LENGTH_WINDOW)  # step tokens of recent answers that ended on their own
         self.log = GenerationLog(self.current, base.plain())
 
     @property
@@ -442,7 +449,7 @@ class OnlinePlanner:
 
     def _next(self) -> Choice:
         if self.checking:
-            return self.candidates.choice(1, 1, self.timing.timings(), self.left)
+            return self.candidates.choice(1, 1, self.timing.timings(), self.planning_length())
         return self._probe_choice if self.probing else self.current
 
     def spec(self, choice: Choice | None = None) -> TreeSpec:
@@ -457,6 +464,7 @@ class OnlinePlanner:
         generation runs first: plain runs count across generations, so a chat of short answers
         probes too)."""
         self.left = None if length is None else max(1, int(length))
+        self.done = 0
         timings = self.timing.timings()
         if self.adapt:
             self._rechoose(timings)
@@ -464,13 +472,28 @@ class OnlinePlanner:
         return self.spec()
 
     def _evaluate(self, choice: Choice, timings: Timings) -> Choice | None:
-        return self.candidates.choice(choice.budget, choice.depth, timings, self.left)
+        return self.candidates.choice(choice.budget, choice.depth, timings, self.planning_length())
+
+    def planning_length(self) -> int | None:
+        """The tokens the steps are expected to make still: max_new_tokens' rest, or less where
+        earlier answers that ended on their own say so (see the module's docstring)."""
+        longer = [n - self.done for n in self.ended if n > self.done]
+        if len(longer) < LENGTH_MIN:
+            return self.left
+        expected = max(1, int(statistics.median(longer)))
+        return expected if self.left is None else min(self.left, expected)
+
+    def finish(self, tokens: int, ended: bool) -> None:
+        """A generation's end: its steps made `tokens`; `ended`: by its end-of-sequence token or
+        a stop string (not by max_new_tokens), so that its length says how long answers are."""
+        if ended and tokens > 0 and self.adapt:
+            self.ended.append(int(tokens))
 
     def _rechoose(self, timings: Timings) -> bool:
         """The best candidate for the tokens left under `timings`, taken when it is predicted
         HYSTERESIS faster than the current choice (else the current one, evaluated afresh).
         True when the tree changed."""
-        best = self.candidates.best(timings, length=self.left)
+        best = self.candidates.best(timings, length=self.planning_length())
         now = self._evaluate(self.current, timings)
         switched = False
         if now is None or best.seconds_per_token < now.seconds_per_token * (1 - HYSTERESIS):
@@ -486,8 +509,9 @@ class OnlinePlanner:
         return switched
 
     def _in_tail(self) -> bool:
-        return (self.left is not None and self.current.budget > 1
-                and self.left < TAIL * (self.current.tree_tokens or self.current.tokens_per_step))
+        left = self.planning_length()
+        return (left is not None and self.current.budget > 1
+                and left < TAIL * (self.current.tree_tokens or self.current.tokens_per_step))
 
     def _model_reach(self, c: Choice) -> list[float]:
         """The chance that a step of the tree `c` accepts at least j nodes, j = 1 .. its depth - 1:
@@ -529,11 +553,12 @@ class OnlinePlanner:
         catch_up = timings.draft_factor * timings.draft(1 + round(gain)) if c.budget > 1 else 0.0
         t_pass = _pass(timings, 1 + k)
         t_suffix = max(0.25 * t_pass, t_pass + timings.step_seconds + timings.node_seconds * (1 + k)) + catch_up
-        cut = None if self.left is None else max(0, self.left - 1)  # accepted tokens that can be used
+        left = self.planning_length()
+        cut = None if left is None else max(0, left - 1)  # accepted tokens that can be used
 
         def handed_out(reach: list[float]) -> float:  # 1 + E[min(accepted, left - 1)]
             return 1.0 + sum(reach[:cut] if cut is not None else reach)
-        model_tokens = self.candidates.emitted(c.budget, c.depth, self.left) or c.tokens_per_step
+        model_tokens = self.candidates.emitted(c.budget, c.depth, left) or c.tokens_per_step
         options = {"model": (c.seconds_per_step, model_tokens), "suffix": (t_suffix, handed_out(s_reach))}
         if c.budget > 1:
             m_reach = self._model_reach(c)
@@ -576,6 +601,7 @@ class OnlinePlanner:
         emitted = tokens if tokens is not None else len(result.accepted) + 1
         log.measured_seconds += times.total
         log.measured_tokens += emitted
+        self.done += emitted
         if self.left is not None:
             self.left = max(1, self.left - emitted)
         if n == 1 and arm == "model":
@@ -607,7 +633,7 @@ class OnlinePlanner:
             self.probe_wait = min(2 * self.probe_wait, PROBE_MAX) if self.current.budget == 1 else PROBE_EVERY
         if self.current.budget == 1 and self.plain_run >= min(self.probe_wait, PROBE_MAX):
             self.plain_run = 0
-            probe = self.candidates.best(self.timing.timings(), allow_plain=False, length=self.left)
+            probe = self.candidates.best(self.timing.timings(), allow_plain=False, length=self.planning_length())
             if probe.budget > 1:
                 self.probing, self._probe_choice = True, probe
         if (self.current.budget > 1 and not self.probing and not self.checking
@@ -643,7 +669,7 @@ class OnlinePlanner:
         if moved > REFILL_DISTANCE and ns and units * self.refill_rate < allowance:
             t_fill = time.perf_counter()
             refilled = Candidates(vector, ns, self.max_depth, TreeTable(vector, max(ns), self.max_depth))
-            if self.left is not None:  # (its step-token distributions too: what a length reads)
+            if self.planning_length() is not None:  # (its step-token distributions too: what a length reads)
                 refilled.tokens_for(1)
             self.refill_rate = (time.perf_counter() - t_fill) / units
             # the candidates above the refill keep their trees and values from the last fill
