@@ -288,7 +288,7 @@ class Candidates:
         self._pmfs: np.ndarray | None = None
         self._renewal: np.ndarray | None = None
         self._means: np.ndarray | None = None
-        self._index = {(n, d): i for i, (n, d, *_) in enumerate(self.items)}
+        self._index: dict[tuple[int, int], int] = {}  # (n, d) -> its row (set with the rows)
 
     def _pmf_rows(self) -> np.ndarray:
         if self._pmfs is None or len(self._pmfs) != len(self.items):
@@ -303,15 +303,25 @@ class Candidates:
         self._renewal = renewal_table(self._pmfs)
         self._index = {(n, d): i for i, (n, d, *_) in enumerate(self.items)}
 
+    def _tokens_at(self, rows: slice, length: int) -> np.ndarray:
+        """length / E[N(length)] for the items of `rows`."""
+        self._pmf_rows()
+        length = max(1, int(length))
+        return length / steps_from_table(self._renewal[rows], self._means[rows], length)
+
     def tokens_for(self, length: int | None) -> list[float]:
         """Each item's tokens per step in a generation of `length` tokens (None: G)."""
         if length is None:
             return [value for _, _, value, _ in self.items]
         if not self.items:
             return []
-        length = max(1, int(length))
-        self._pmf_rows()
-        return (length / steps_from_table(self._renewal, self._means, length)).tolist()
+        return self._tokens_at(slice(None), length).tolist()
+
+    def _resolve(self, n: int, d: int) -> tuple[int, int] | None:
+        """(n, d) as a candidate: a depth left out as no better than a shallower one is that one;
+        None when the budget is not a candidate."""
+        depths = [k for (m, k) in self._trees if m == n and k <= d]
+        return (n, max(depths)) if depths else None
 
     def emitted(self, n: int, d: int, left: int | None) -> float | None:
         """The tokens one step of (n, d) is expected to hand out when `left` remain to be made:
@@ -319,13 +329,12 @@ class Candidates:
         not a candidate."""
         if n == 1:
             return 1.0
-        depths = [k for (m, k) in self._trees if m == n and k <= d]
-        if not depths:
+        key = self._resolve(n, d)
+        if key is None:
             return None
-        d = max(depths)
         if left is None:
-            return self._trees[(n, d)].expected_tokens
-        pmf = self._pmf_rows()[self._index[(n, d)]]
+            return self._trees[key].expected_tokens
+        pmf = self._pmf_rows()[self._index[key]]
         reach = pmf[::-1].cumsum()[::-1]  # reach[k] = P(X >= k)
         return float(reach[1:max(1, left) + 1].sum())
 
@@ -337,16 +346,16 @@ class Candidates:
             plain = TreePlan((-1,), (0,), (0,), 1.0)
             return Choice(1, 1, 1.0, timings.plain(), timings.target(1), 0.0, (1,), plain, length=length,
                           tree_tokens=1.0)
-        depths = [k for (m, k) in self._trees if m == n and k <= d]
-        if not depths:
+        key = self._resolve(n, d)
+        if key is None:
             return None
-        d = max(depths)
-        tree = self._trees[(n, d)]
+        d = key[1]
+        tree = self._trees[key]
         tokens = tree.expected_tokens
         if length is not None:
             self._pmf_rows()
-            i, length = self._index[(n, d)], max(1, int(length))
-            tokens = float(length / steps_from_table(self._renewal[i:i + 1], self._means[i:i + 1], length)[0])
+            i, length = self._index[key], max(1, int(length))
+            tokens = float(self._tokens_at(slice(i, i + 1), length)[0])
         step, t_target, t_draft = timings.step(n, level_widths(tree))
         return Choice(n, d, tokens, step, t_target, t_draft, level_widths(tree), tree,
                       timings.overlapped(n, timings.draft_factor * t_draft), length=length,

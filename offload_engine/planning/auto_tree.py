@@ -10,9 +10,9 @@ Then the optimizer picks (budget, depth) per temperature; each generation starts
 of the vector nearest its temperature. A choice of budget 1 (the draft does not pay for itself)
 decodes plainly. The choice is for generations of `length` tokens when one is given (the last
 step of a short answer throws away what its tree accepted past the end: `optimizer`), else for
-long ones; with adaptation, each generation then re-chooses for its own max_new_tokens
-(`OnlinePlanner.begin`; without it the load-time choice is kept). With adaptation on (the default), `adaptive.OnlinePlanner` then re-chooses
-from the same candidates as the generation measures its steps.
+long ones. With adaptation on (the default), `adaptive.OnlinePlanner` then re-chooses from the
+same candidates, for each generation's own max_new_tokens (`OnlinePlanner.begin`) and as the
+generation measures its steps; without it the load-time choice is kept.
 """
 
 from __future__ import annotations
