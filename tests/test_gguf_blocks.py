@@ -142,3 +142,67 @@ def test_the_portable_build_of_the_compiled_loop_equals_the_torch_path():
         assert lib.dequantize(data.data_ptr(), out.data_ptr(), n, kind, 1) == 0
         want = gguf_blocks.dequantize_into(data, qtype, torch.empty(n * block), native=False)
         np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()), err_msg=qtype)
+
+
+def _random_blocks(rng, qtype: str, n: int) -> torch.Tensor:
+    """n blocks of `qtype` with random codes and small random scales (finite weights)."""
+    size = gguf_blocks.BLOCK_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for lo, hi in K_QUANTS.get(qtype, [(0, 2), (2, 4)] if qtype in ("Q4_1", "Q5_1") else [(0, 2)]):
+        raw[:, lo:hi] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return torch.from_numpy(raw.reshape(-1).copy())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_layers_tensors_at_once_equal_each_alone(threads):
+    """The streamer hands the compiled loop a whole layer (`dequantize_many`), whose blocks are
+    split between threads across the tensors' boundaries: over tensors of 20,000, 30,000 and 1,125
+    blocks (51,125 in all, over the one-thread threshold of 32,768), 2 threads cut inside the
+    second tensor, 3 threads inside the first and the second, and the last share runs across the
+    second and third. Every weight equals the torch path's, bit for bit."""
+    from offload_engine.formats import gguf_native
+    if not gguf_native.available():
+        pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
+    rng = np.random.default_rng(threads)
+    items, wants = [], []
+    for qtype, n in (("Q4_1", 20000), ("Q8_0", 30000), ("Q4_K", 9000 // 8)):
+        block, size = gguf_blocks.BLOCK_SIZES[qtype]
+        data = _random_blocks(rng, qtype, n)
+        items.append((data, qtype, torch.full((n * block,), float("nan")), block, size))
+        wants.append(gguf_blocks.dequantize_into(data, qtype, torch.empty(n * block), native=False))
+    k = len(items)
+    ctypes = gguf_native.ctypes
+    srcs = (ctypes.c_void_p * k)(*(d.data_ptr() for d, *_ in items))
+    dsts = (ctypes.c_void_p * k)(*(o.data_ptr() for _, _, o, *_ in items))
+    counts = (ctypes.c_int64 * k)(*(d.numel() // s for d, _, _, _, s in items))
+    kinds = (ctypes.c_int * k)(*(gguf_native.KINDS[q] for _, q, *_ in items))
+    assert gguf_native._lib.dequantize_many(srcs, dsts, counts, kinds, k, threads) == 0
+    for (_, qtype, out, _, _), want in zip(items, wants):
+        np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()), err_msg=qtype)
+    # the Python entry point (THREADS threads), on fresh outputs
+    for item in items:
+        item[2].fill_(float("nan"))
+    assert gguf_native.dequantize_many(items)
+    for (_, qtype, out, _, _), want in zip(items, wants):
+        np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()), err_msg=qtype)
+
+
+def test_the_compiled_loop_does_not_use_openmp():
+    """The layer loader thread calls the compiled loop while torch computes on another thread. An
+    OpenMP parallel region entered from the loader leaves libgomp (torch's, shared by soname) a
+    second thread team, and while it lives torch's workers stop spinning between regions: on a
+    2-vCPU machine every small matmul of the compute thread ran 2-4x slower (gguf_native.c's
+    `dequantize_many`). The library must not import any OpenMP entry point."""
+    import shutil
+    import subprocess
+
+    from offload_engine.formats import gguf_native
+    if not gguf_native.available():
+        pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
+    nm = shutil.which("nm")
+    assert nm is not None, "nm (binutils, beside the C compiler) is needed to read the library's symbols"
+    path = gguf_native._lib._name
+    undefined = subprocess.run([nm, "-D", "--undefined-only", path], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert not [s for s in undefined if s.startswith(("GOMP_", "omp_"))], path
+    assert any(s.startswith("pthread_create") for s in undefined), undefined  # the threads it does use

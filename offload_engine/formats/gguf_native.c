@@ -12,9 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <pthread.h>
 
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -158,15 +156,9 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_
 static const int BLOCK_BYTES[] = {34, 18, 20, 22, 24, 144, 176, 210};
 static const int BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 256, 256, 256};
 
-/* `n_blocks` blocks of format `kind` from `src` into `dst` (n_blocks * weights per block
- * floats); `threads` > 1 splits the blocks. Returns 0, or -1 for an unknown kind. */
-int dequantize(const uint8_t *src, float *dst, int64_t n_blocks, int kind, int threads) {
-    if (kind < 0 || kind > Q6_K) return -1;
+static void dequantize_range(const uint8_t *src, float *dst, int64_t from, int64_t to, int kind) {
     const int64_t size = BLOCK_BYTES[kind], per = BLOCK_WEIGHTS[kind];
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n_blocks > 4096)
-#endif
-    for (int64_t i = 0; i < n_blocks; i++) {
+    for (int64_t i = from; i < to; i++) {
         const uint8_t *b = src + i * size;
         float *w = dst + i * per;
         switch (kind) {
@@ -180,5 +172,68 @@ int dequantize(const uint8_t *src, float *dst, int64_t n_blocks, int kind, int t
             default: q6_k(b, w); break;
         }
     }
+}
+
+typedef struct {
+    const uint8_t *const *srcs;
+    float *const *dsts;
+    const int64_t *n_blocks;
+    const int *kinds;
+    int count;
+    int64_t from, to; /* this job's share of the blocks of all the tensors, in order */
+} dequantize_job;
+
+static void *dequantize_job_run(void *arg) {
+    const dequantize_job *j = (const dequantize_job *)arg;
+    int64_t start = 0;
+    for (int i = 0; i < j->count && start < j->to; start += j->n_blocks[i], i++) {
+        int64_t lo = j->from > start ? j->from - start : 0;
+        int64_t hi = j->to - start < j->n_blocks[i] ? j->to - start : j->n_blocks[i];
+        if (lo < hi) dequantize_range(j->srcs[i], j->dsts[i], lo, hi, j->kinds[i]);
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 16
+#define SPLIT_BLOCKS 32768 /* fewer blocks than this in all: one thread (starting one costs ~0.1 ms) */
+
+/* `count` tensors: n_blocks[i] blocks of format kinds[i] from srcs[i] into dsts[i] (n_blocks[i] *
+ * weights per block floats). `threads` > 1 splits all their blocks between the calling thread and
+ * threads - 1 POSIX threads started for the call (a thread that cannot be started leaves its share
+ * to the caller); a caller passes a whole layer's tensors at once so that the split pays for the
+ * threads it starts. Returns 0, or -1 for an unknown kind (before anything is written).
+ *
+ * Not OpenMP: libgomp (the one torch loads too, shared by soname) keeps a thread team for every
+ * thread that ever entered a parallel region, and while a team lives beside torch's own, libgomp
+ * counts more threads than CPUs and stops torch's workers from spinning between parallel regions.
+ * Measured on a 2-vCPU machine with the layer loader dequantizing through OpenMP: the small
+ * matmuls of the compute thread ran 2-4x slower for as long as the loader lived (a self-q8 draft
+ * level took 67-125 ms; 43-47 ms without OpenMP). */
+int dequantize_many(const uint8_t *const *srcs, float *const *dsts, const int64_t *n_blocks, const int *kinds,
+                    int count, int threads) {
+    int64_t total = 0;
+    for (int i = 0; i < count; i++) {
+        if (kinds[i] < 0 || kinds[i] > Q6_K) return -1;
+        total += n_blocks[i];
+    }
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1 || total < SPLIT_BLOCKS) threads = 1;
+    dequantize_job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = (dequantize_job){srcs, dsts, n_blocks, kinds, count, total * t / threads, total * (t + 1) / threads};
+        if (t > 0) started[t] = pthread_create(&ids[t], NULL, dequantize_job_run, &jobs[t]) == 0;
+    }
+    dequantize_job_run(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else dequantize_job_run(&jobs[t]);
+    }
     return 0;
+}
+
+/* One tensor: `n_blocks` blocks of format `kind` from `src` into `dst` (see dequantize_many). */
+int dequantize(const uint8_t *src, float *dst, int64_t n_blocks, int kind, int threads) {
+    return dequantize_many(&src, &dst, &n_blocks, &kind, 1, threads);
 }

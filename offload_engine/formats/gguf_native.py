@@ -30,7 +30,7 @@ from ..fsutil import cache_root
 
 SOURCE = Path(__file__).with_name("gguf_native.c")
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-shared", "-fPIC"]
 THREADS = max(1, min(2, os.cpu_count() or 1))
 
 _lock = threading.Lock()
@@ -61,12 +61,8 @@ def _build(flags: list[str] = FLAGS) -> ctypes.CDLL:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{lib.name}.tmp-{os.getpid()}"
         try:
-            # -fopenmp is what a minimal toolchain may lack: then a build without it
-            for attempt in (flags, [f for f in flags if f != "-fopenmp"]):
-                proc = subprocess.run([cc, *attempt, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                      timeout=120)
-                if proc.returncode == 0:
-                    break
+            proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=120)
             if proc.returncode != 0:
                 raise OSError(f"{cc} failed: {proc.stderr.strip()[-300:]}")
             os.replace(tmp, lib)
@@ -75,6 +71,10 @@ def _build(flags: list[str] = FLAGS) -> ctypes.CDLL:
     handle = ctypes.CDLL(str(lib))
     handle.dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     handle.dequantize.restype = ctypes.c_int
+    handle.dequantize_many.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                       ctypes.c_int]
+    handle.dequantize_many.restype = ctypes.c_int
     return handle
 
 
@@ -102,16 +102,36 @@ def why_not() -> str:
     return _why_not
 
 
+def _blocks(data: torch.Tensor, qtype: str, out: torch.Tensor, block: int, size: int) -> int | None:
+    """How many blocks `data` holds, or None where the fast path does not apply."""
+    if (qtype not in KINDS or data.device.type != "cpu" or out.device.type != "cpu" or out.dtype != torch.float32
+            or not data.is_contiguous() or not out.is_contiguous()):
+        return None
+    n = data.numel() // size
+    if n * size != data.numel() or n * block != out.numel():
+        raise ValueError(f"{qtype}: {data.numel()} bytes do not fill {out.numel()} weights")
+    return n
+
+
 def dequantize_into(data: torch.Tensor, qtype: str, out: torch.Tensor, block: int, size: int) -> bool:
     """Blocks of `qtype` (`block` weights in `size` bytes each; uint8, contiguous, CPU) into `out`
     (float32, contiguous, CPU, as many weights as the blocks hold); False (nothing done) where the
     fast path does not apply."""
-    if (qtype not in KINDS or data.device.type != "cpu" or out.device.type != "cpu" or out.dtype != torch.float32
-            or not data.is_contiguous() or not out.is_contiguous() or not available()):
+    return dequantize_many([(data, qtype, out, block, size)])
+
+
+def dequantize_many(items: list[tuple[torch.Tensor, str, torch.Tensor, int, int]]) -> bool:
+    """Several tensors at once, each (data, qtype, out, block, size) as in `dequantize_into`, their
+    blocks split between THREADS threads (a layer's tensors together: one tensor of a small model
+    is too little work to pay for starting a thread); False (nothing done) where the fast path
+    does not apply to one of them."""
+    counts = [_blocks(*item) for item in items]
+    if not items or None in counts or not available():
         return False
-    n = data.numel() // size
-    if n * size != data.numel() or n * block != out.numel():
-        raise ValueError(f"{qtype}: {data.numel()} bytes do not fill {out.numel()} weights")
-    if _lib.dequantize(data.data_ptr(), out.data_ptr(), n, KINDS[qtype], THREADS) != 0:
-        raise ValueError(f"{qtype}: the compiled dequantizer refused the format")
+    k = len(items)
+    srcs = (ctypes.c_void_p * k)(*(data.data_ptr() for data, *_ in items))
+    dsts = (ctypes.c_void_p * k)(*(out.data_ptr() for _, _, out, *_ in items))
+    kinds = (ctypes.c_int * k)(*(KINDS[qtype] for _, qtype, *_ in items))
+    if _lib.dequantize_many(srcs, dsts, (ctypes.c_int64 * k)(*counts), kinds, k, THREADS) != 0:
+        raise ValueError(f"{', '.join(sorted({q for _, q, *_ in items}))}: the compiled dequantizer refused the format")
     return True
