@@ -172,3 +172,27 @@ def test_engine_stops_its_loader_when_collected(ckpt, tmp_path, monkeypatch):
     del engine
     gc.collect()
     assert not any(t.name == "layer-loader" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_loader_thread_never_starts_an_openmp_team(ckpt, tmp_path):
+    """The loader thread moves bytes (a memcpy, an O_DIRECT read, the compiled dequantizer's POSIX
+    threads), never a parallel torch op: one would leave OpenMP a thread team of the loader's own
+    beside the compute thread's, and while it lives torch's workers stop spinning between parallel
+    regions (measured on a 2-vCPU machine: every small matmul 2-4x slower). A team shows as an
+    OS thread that is neither a Python thread nor one the process had before the executor."""
+    import os
+    import threading
+
+    torch.ones(1 << 20).add_(1)  # the compute thread's own team exists before the baseline
+    block = LayerLayout.for_config(ckpt.config, torch.float32).block_bytes
+    assert block > 2 * 32768  # a torch copy of a block this size runs in parallel
+    before = set(os.listdir("/proc/self/task"))
+    plan = plan_for(ckpt, "ram", 2, 0, LAYERS)
+    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
+                        OffloadOptions("ram", buffers=2, store_root=tmp_path), progress=False)
+    try:
+        run_script(model, ckpt.config.vocab_size)
+        python_threads = {str(t.native_id) for t in threading.enumerate()}
+        assert set(os.listdir("/proc/self/task")) - before - python_threads == set()
+    finally:
+        model.layers.close()

@@ -27,6 +27,7 @@ sum), and fills thrown away when a pass is abandoned are never counted.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 import time
@@ -410,7 +411,12 @@ class LayerExecutor:
             return read, size
         t0 = time.perf_counter()
         if layer in self.ram_blocks:
-            dest.copy_(self.ram_blocks[layer])
+            # a plain memcpy, not torch's copy_: a parallel torch op on this thread would leave
+            # OpenMP a second thread team, which slows the compute thread's every matmul while
+            # the loader lives (see `dequantize_many` in formats/gguf_native.c)
+            src = self.ram_blocks[layer]
+            assert src.is_contiguous() and dest.is_contiguous() and src.numel() >= size
+            ctypes.memmove(dest.data_ptr(), src.data_ptr(), size)
             copied = size
         else:  # the O_DIRECT read lands in the buffer itself: what was read is what came in
             read = copied = self.reader.read(layer, self.buffers[b])
