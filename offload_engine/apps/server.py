@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine import Engine, GenerationResult
 from ..errors import DataError, GenerationCancelled, UserError
+from ..runtime.threads import release_thread_team
 from .http_guards import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimits, header_deadline_protocol
 from .openai_requests import ApiError, GenRequest, bad, parse_chat, parse_completion
 
@@ -80,6 +81,9 @@ class Scheduler:
         self._running: Job | None = None
         self._closed = False
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        # the worker computes from now on: this thread (which loaded the engine) frees its OpenMP
+        # team, or the worker's matmuls would run at half speed on a CPU (runtime/threads.py)
+        release_thread_team()
         self._thread = threading.Thread(target=self._work, name="generation-worker", daemon=True)
         self._thread.start()
 

@@ -1,0 +1,43 @@
+"""Handing torch's CPU compute from one thread to another without halving its speed.
+
+torch's CPU build runs its parallel ops on GNU OpenMP (libgomp). libgomp keeps a thread team
+(a pool of worker threads) for every thread that ever entered a parallel region, until that
+thread exits. While two teams exist, libgomp counts more threads than the CPUs it may use and
+stops every team's workers from spinning between parallel regions, so each parallel op of the
+thread now computing waits for its workers to be woken. Measured on a 2-vCPU machine: the int8
+matmuls of a draft level ran 2-2.5x slower on a worker thread than on the main thread that had
+computed before it (and 2-4x slower while the layer loader thread kept a team of its own, which
+is why the loader never runs a parallel op: runtime/streamer.py).
+
+`release_thread_team` frees the calling thread's team (OpenMP 5's `omp_pause_resource_all`),
+so a thread that hands its compute to another (the server's generation worker) leaves only
+one team behind. It does nothing where torch does not use libgomp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard = 2
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp torch loaded (a library already loaded under its soname is the one dlopen
+    returns), or None where there is none with omp_pause_resource_all."""
+    import torch  # noqa: F401 - loads torch's OpenMP runtime first
+
+    try:
+        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+        pause = lib.omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return lib
+
+
+def release_thread_team() -> bool:
+    """Free the calling thread's OpenMP thread team (not inside a parallel region); True when
+    libgomp freed it, False where there is nothing to free it with."""
+    lib = _libgomp()
+    return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_HARD) == 0
