@@ -196,3 +196,27 @@ def test_the_loader_thread_never_starts_an_openmp_team(ckpt, tmp_path):
         assert set(os.listdir("/proc/self/task")) - before - python_threads == set()
     finally:
         model.layers.close()
+
+
+def test_a_cpu_pass_leaves_the_loader_a_core_and_gives_it_back(ckpt, tmp_path):
+    """While layers stream in on the CPU, the compute side runs torch on one thread fewer (the
+    loader reads, copies and dequantizes on the other); after the pass, finished or abandoned,
+    torch has its threads back. A plan with nothing streamed keeps them all."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    plan = plan_for(ckpt, "disk", 2)
+    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
+                        OffloadOptions("disk", buffers=2, store_root=tmp_path), progress=False)
+    try:
+        assert [torch.get_num_threads() for _ in model.layers] == [1] * LAYERS
+        assert torch.get_num_threads() == 2
+        for i, _ in enumerate(model.layers):  # abandoned midway
+            if i == 1:
+                break
+        assert torch.get_num_threads() == 2
+        resident = load_target(ckpt, torch.float32, torch.device("cpu"), plan_for(ckpt, "none", 2),
+                               OffloadOptions("none", store_root=tmp_path), progress=False)
+        assert [torch.get_num_threads() for _ in resident.layers] == [2] * LAYERS
+    finally:
+        model.layers.close()
+        torch.set_num_threads(threads)
