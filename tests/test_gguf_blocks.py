@@ -206,3 +206,47 @@ def test_the_compiled_loop_does_not_use_openmp():
                                check=True).stdout.split()
     assert not [s for s in undefined if s.startswith(("GOMP_", "omp_"))], path
     assert any(s.startswith("pthread_create") for s in undefined), undefined  # the threads it does use
+
+
+@pytest.mark.parametrize("fmt", ["F16", "BF16"])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_the_compiled_loop_widens_every_16_bit_float_as_torch_does(fmt, portable):
+    """A layer stored in f16/bf16 and computed in float32 is widened by the compiled loop on the
+    loader thread (a torch conversion there would start a second OpenMP team): every 16-bit value
+    but the last three, subnormals and infinities included, bit for bit as torch's `.float()`, in
+    the native build (F16C) and the portable one; an odd count exercises the scalar tail. A NaN
+    stays a NaN: torch's own bits for one differ between its vector loop (a signalling half made
+    quiet) and its scalar tail (the sign and payload not always kept)."""
+    from offload_engine.formats import gguf_native
+    if not gguf_native.available():
+        pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
+    lib = gguf_native._build([f for f in gguf_native.FLAGS if not f.startswith("-march")]) if portable \
+        else gguf_native._lib
+    n = 2**16 - 3
+    raw = torch.arange(n, dtype=torch.int32).to(torch.int16)
+    want = raw.view(getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[fmt])).float()
+    out = torch.full((n,), float("nan"))
+    ctypes = gguf_native.ctypes
+    k = gguf_native.FLOAT_KINDS[fmt]
+    srcs, dsts = (ctypes.c_void_p * 1)(raw.data_ptr()), (ctypes.c_void_p * 1)(out.data_ptr())
+    assert lib.dequantize_many(srcs, dsts, (ctypes.c_int64 * 1)(n), (ctypes.c_int * 1)(k), 1, 2) == 0
+    nan = torch.isnan(want)
+    assert nan.any() and torch.equal(torch.isnan(out), nan)
+    np.testing.assert_array_equal(_bits(out[~nan].numpy()), _bits(want[~nan].numpy()))
+
+
+def test_an_unknown_kind_or_count_writes_nothing():
+    """The compiled loop checks every tensor's kind and count before it writes any: a bad last
+    tensor leaves the first one's output untouched."""
+    from offload_engine.formats import gguf_native
+    if not gguf_native.available():
+        pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
+    ctypes = gguf_native.ctypes
+    data = _random_blocks(np.random.default_rng(0), "Q8_0", 40000)
+    out = torch.full((40000 * 32,), float("nan"))
+    for kind, count in ((99, 10), (0, -1)):
+        srcs = (ctypes.c_void_p * 2)(data.data_ptr(), data.data_ptr())
+        dsts = (ctypes.c_void_p * 2)(out.data_ptr(), out.data_ptr())
+        assert gguf_native._lib.dequantize_many(srcs, dsts, (ctypes.c_int64 * 2)(40000, count),
+                                                (ctypes.c_int * 2)(0, kind), 2, 2) == -1
+        assert torch.isnan(out).all()

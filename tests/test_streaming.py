@@ -174,49 +174,50 @@ def test_engine_stops_its_loader_when_collected(ckpt, tmp_path, monkeypatch):
     assert not any(t.name == "layer-loader" and t.is_alive() for t in threading.enumerate())
 
 
-def test_the_loader_thread_never_starts_an_openmp_team(ckpt, tmp_path):
-    """The loader thread moves bytes (a memcpy, an O_DIRECT read, the compiled dequantizer's POSIX
-    threads), never a parallel torch op: one would leave OpenMP a thread team of the loader's own
-    beside the compute thread's, and while it lives torch's workers stop spinning between parallel
-    regions (measured on a 2-vCPU machine: every small matmul 2-4x slower). A team shows as an
-    OS thread that is neither a Python thread nor one the process had before the executor."""
+@pytest.mark.parametrize("offload,weights", [("ram", "auto"), ("disk", "bf16")])
+def test_the_loader_thread_never_starts_an_openmp_team(tmp_path, monkeypatch, offload, weights):
+    """The loader thread moves bytes (a memcpy, an O_DIRECT read, the compiled loop's POSIX
+    threads, which also widen a layer stored in bf16), never a parallel torch op: one would leave
+    OpenMP a thread team of the loader's own beside the compute thread's, and while it lives
+    torch's workers stop spinning between parallel regions (measured on a 2-vCPU machine: every
+    small matmul 2-4x slower). A team shows as an OS thread that is neither a Python thread nor
+    one the process had before the engine. Two torch threads, so that a team can form; the
+    loader's fills for the first pass are done before any pass runs."""
     import os
     import threading
+    import time
 
-    torch.ones(1 << 20).add_(1)  # the compute thread's own team exists before the baseline
-    block = LayerLayout.for_config(ckpt.config, torch.float32).block_bytes
-    assert block > 2 * 32768  # a torch copy of a block this size runs in parallel
-    before = set(os.listdir("/proc/self/task"))
-    plan = plan_for(ckpt, "ram", 2, 0, LAYERS)
-    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
-                        OffloadOptions("ram", buffers=2, store_root=tmp_path), progress=False)
-    try:
-        run_script(model, ckpt.config.vocab_size)
-        python_threads = {str(t.native_id) for t in threading.enumerate()}
-        assert set(os.listdir("/proc/self/task")) - before - python_threads == set()
-    finally:
-        model.layers.close()
+    from offload_engine.engine import Engine
 
-
-def test_a_cpu_pass_leaves_the_loader_a_core_and_gives_it_back(ckpt, tmp_path):
-    """While layers stream in on the CPU, the compute side runs torch on one thread fewer (the
-    loader reads, copies and dequantizes on the other); after the pass, finished or abandoned,
-    torch has its threads back. A plan with nothing streamed keeps them all."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama3-gqa", layers=3, hidden=256, intermediate=512)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    plan = plan_for(ckpt, "disk", 2)
-    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
-                        OffloadOptions("disk", buffers=2, store_root=tmp_path), progress=False)
     try:
-        assert [torch.get_num_threads() for _ in model.layers] == [1] * LAYERS
-        assert torch.get_num_threads() == 2
-        for i, _ in enumerate(model.layers):  # abandoned midway
-            if i == 1:
-                break
-        assert torch.get_num_threads() == 2
-        resident = load_target(ckpt, torch.float32, torch.device("cpu"), plan_for(ckpt, "none", 2),
-                               OffloadOptions("none", store_root=tmp_path), progress=False)
-        assert [torch.get_num_threads() for _ in resident.layers] == [2] * LAYERS
+        torch.ones(1 << 20).add_(1)  # the compute thread's own team exists before the baseline
+        before = set(os.listdir("/proc/self/task"))
+        engine = Engine.load(folder, device="cpu", offload=offload, weights=weights, buffers=2, progress=False)
+        try:
+            executor = engine.model.layers
+            assert 256 * 256 > 32768  # torch runs a copy or conversion over this many elements in parallel
+            assert any(s.fmt == "BF16" for s in executor.layout.packed_slots(executor.order)) == (weights == "bf16")
+            deadline = time.monotonic() + 30
+            while executor.snapshot().prefetched_bytes < 2 * min(executor.layout.sizes) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert executor.snapshot().prefetched_bytes > 0
+            engine.generate("hello there", max_new_tokens=4, temperature=0.0)
+
+            def others() -> set[str]:
+                python_threads = {str(t.native_id) for t in threading.enumerate()}
+                return set(os.listdir("/proc/self/task")) - before - python_threads
+
+            # a team's worker stays for the loader's life; the compiled loop's own threads end with
+            # each call, and the loader goes on filling the next pass's buffers for a moment
+            deadline = time.monotonic() + 5
+            while others() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert others() == set()
+        finally:
+            engine.close()
     finally:
-        model.layers.close()
         torch.set_num_threads(threads)

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import torch
 
@@ -9,8 +10,8 @@ from offload_engine.apps import server
 from offload_engine.runtime.threads import release_thread_team
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 def test_release_thread_team_frees_the_calling_threads_workers():
@@ -24,9 +25,12 @@ def test_release_thread_team_frees_the_calling_threads_workers():
     def work():
         x = torch.arange(1 << 22, dtype=torch.float32)
         want = x.mul(3).sum()
-        result["with_team"] = _os_threads()
+        with_team = _os_threads()
         result["released"] = release_thread_team()
-        result["after"] = _os_threads()
+        deadline = time.monotonic() + 2  # (a joined worker leaves /proc a moment later)
+        while _os_threads() & with_team == with_team and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result["gone"] = with_team - _os_threads()
         result["again"] = bool(x.mul(3).sum() == want)
 
     try:
@@ -36,7 +40,7 @@ def test_release_thread_team_frees_the_calling_threads_workers():
     finally:
         torch.set_num_threads(threads)
     assert result["released"] and result["again"]
-    assert result["after"] < result["with_team"], result
+    assert result["gone"], result  # the team's worker thread ended
 
 
 def test_the_scheduler_frees_its_threads_team_before_its_worker_computes(monkeypatch):

@@ -152,11 +152,40 @@ static void q6_k(const uint8_t *restrict b, float *restrict w) {
     }
 }
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
-static const int BLOCK_BYTES[] = {34, 18, 20, 22, 24, 144, 176, 210};
-static const int BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 256, 256, 256};
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, F16 = 8, BF16 = 9 };
+static const int BLOCK_BYTES[] = {34, 18, 20, 22, 24, 144, 176, 210, 2, 2};
+static const int BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1};
+
+/* Halves from..to-1 to floats, as torch converts them: exact, a NaN made quiet (F16C does that
+ * itself; the portable conversion keeps the payload, so the quiet bit is set here). */
+static void f16_range(const uint8_t *restrict src, float *restrict dst, int64_t from, int64_t to) {
+    int64_t i = from;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= to; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+#endif
+    for (; i < to; i++) {
+        float f = half_to_float(src + 2 * i);
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) bits |= 0x00400000u;
+        memcpy(dst + i, &bits, 4);
+    }
+}
+
+/* bfloat16s from..to-1 to floats: the upper half of each float's bits (exact, NaNs as they are). */
+static void bf16_range(const uint8_t *restrict src, float *restrict dst, int64_t from, int64_t to) {
+    for (int64_t i = from; i < to; i++) {
+        uint32_t bits = ((uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8)) << 16;
+        memcpy(dst + i, &bits, 4);
+    }
+}
 
 static void dequantize_range(const uint8_t *src, float *dst, int64_t from, int64_t to, int kind) {
+    if (kind == F16 || kind == BF16) {
+        (kind == F16 ? f16_range : bf16_range)(src, dst, from, to);
+        return;
+    }
     const int64_t size = BLOCK_BYTES[kind], per = BLOCK_WEIGHTS[kind];
     for (int64_t i = from; i < to; i++) {
         const uint8_t *b = src + i * size;
@@ -201,7 +230,9 @@ static void *dequantize_job_run(void *arg) {
  * weights per block floats). `threads` > 1 splits all their blocks between the calling thread and
  * threads - 1 POSIX threads started for the call (a thread that cannot be started leaves its share
  * to the caller); a caller passes a whole layer's tensors at once so that the split pays for the
- * threads it starts. Returns 0, or -1 for an unknown kind (before anything is written).
+ * threads it starts. F16 and BF16 "blocks" are single weights (a layer's 16-bit float tensors
+ * widened to float32 here, not by torch on the loader thread). Returns 0, or -1 for an unknown
+ * kind or a negative count (before anything is written).
  *
  * Not OpenMP: libgomp (the one torch loads too, shared by soname) keeps a thread team for every
  * thread that ever entered a parallel region, and while a team lives beside torch's own, libgomp
@@ -213,7 +244,7 @@ int dequantize_many(const uint8_t *const *srcs, float *const *dsts, const int64_
                     int count, int threads) {
     int64_t total = 0;
     for (int i = 0; i < count; i++) {
-        if (kinds[i] < 0 || kinds[i] > Q6_K) return -1;
+        if (kinds[i] < 0 || kinds[i] > BF16 || n_blocks[i] < 0) return -1;
         total += n_blocks[i];
     }
     if (threads > MAX_THREADS) threads = MAX_THREADS;

@@ -30,6 +30,9 @@ from ..fsutil import cache_root
 
 SOURCE = Path(__file__).with_name("gguf_native.c")
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+# 16-bit floats widened to float32 (a layer stored in f16/bf16, computed in float32): also the C
+# loop's, so that the layer loader never converts with torch (runtime/streamer.py)
+FLOAT_KINDS = {"F16": 8, "BF16": 9}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-shared", "-fPIC"]
 THREADS = max(1, min(2, os.cpu_count() or 1))
 
@@ -104,8 +107,8 @@ def why_not() -> str:
 
 def _blocks(data: torch.Tensor, qtype: str, out: torch.Tensor, block: int, size: int) -> int | None:
     """How many blocks `data` holds, or None where the fast path does not apply."""
-    if (qtype not in KINDS or data.device.type != "cpu" or out.device.type != "cpu" or out.dtype != torch.float32
-            or not data.is_contiguous() or not out.is_contiguous()):
+    if ((qtype not in KINDS and qtype not in FLOAT_KINDS) or data.device.type != "cpu" or out.device.type != "cpu"
+            or out.dtype != torch.float32 or not data.is_contiguous() or not out.is_contiguous()):
         return None
     n = data.numel() // size
     if n * size != data.numel() or n * block != out.numel():
@@ -125,13 +128,15 @@ def dequantize_many(items: list[tuple[torch.Tensor, str, torch.Tensor, int, int]
     blocks split between THREADS threads (a layer's tensors together: one tensor of a small model
     is too little work to pay for starting a thread); False (nothing done) where the fast path
     does not apply to one of them."""
+    if not items or not available():
+        return False
     counts = [_blocks(*item) for item in items]
-    if not items or None in counts or not available():
+    if None in counts:
         return False
     k = len(items)
     srcs = (ctypes.c_void_p * k)(*(data.data_ptr() for data, *_ in items))
     dsts = (ctypes.c_void_p * k)(*(out.data_ptr() for _, _, out, *_ in items))
-    kinds = (ctypes.c_int * k)(*(KINDS[qtype] for _, qtype, *_ in items))
+    kinds = (ctypes.c_int * k)(*({**KINDS, **FLOAT_KINDS}[qtype] for _, qtype, *_ in items))
     if _lib.dequantize_many(srcs, dsts, (ctypes.c_int64 * k)(*counts), kinds, k, THREADS) != 0:
         raise ValueError(f"{', '.join(sorted({q for _, q, *_ in items}))}: the compiled dequantizer refused the format")
     return True

@@ -228,13 +228,6 @@ class LayerExecutor:
         self._in_pass = True
         self._collect(wait=False)
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
-        threads = torch.get_num_threads()
-        if not self.cuda and self.order and threads > 1:
-            # a CPU leaves one core to the loader while layers stream in (its read, copy and
-            # dequantization), which a narrow pass's memory-bound matmuls hardly miss: measured
-            # on 2 vCPUs, disk-streamed Q4_1 passes of 1-16 tokens took 0.7-0.85x the time they
-            # took on both cores, 64 tokens about the same (docs/streaming.md)
-            torch.set_num_threads(threads - 1)
         pass_start = self.clock.mark(stream)
         last_end, done, held = pass_start, 0, None
         try:
@@ -276,8 +269,6 @@ class LayerExecutor:
                     self._start_loader()
             finally:
                 self._in_pass = False
-                if torch.get_num_threads() != threads:
-                    torch.set_num_threads(threads)
         self._pending.append(("pass_seconds", pass_start, last_end))
         with self._lock:
             self.stats.target_passes += 1
@@ -424,7 +415,8 @@ class LayerExecutor:
             # OpenMP a second thread team, which slows the compute thread's every matmul while
             # the loader lives (see `dequantize_many` in formats/gguf_native.c)
             src = self.ram_blocks[layer]
-            assert src.is_contiguous() and dest.is_contiguous() and src.numel() >= size
+            if not (src.is_contiguous() and dest.is_contiguous() and src.numel() >= size <= dest.numel()):
+                raise RuntimeError(f"layer {layer}: a RAM block of {src.numel()} bytes cannot fill {size}")
             ctypes.memmove(dest.data_ptr(), src.data_ptr(), size)
             copied = size
         else:  # the O_DIRECT read lands in the buffer itself: what was read is what came in
