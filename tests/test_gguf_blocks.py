@@ -19,6 +19,15 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
+def _random_blocks(rng, qtype: str, n: int) -> torch.Tensor:
+    """n blocks of `qtype` with random codes and small random scales (finite weights)."""
+    size = gguf_blocks.BLOCK_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for lo, hi in K_QUANTS.get(qtype, [(0, 2), (2, 4)] if qtype in ("Q4_1", "Q5_1") else [(0, 2)]):
+        raw[:, lo:hi] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return torch.from_numpy(raw.reshape(-1).copy())
+
+
 def _check(raw: np.ndarray, qtype: str, shape):
     want = quants.dequantize(raw, T[qtype]).reshape(shape)
     got = gguf_blocks.dequantize(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy()),
@@ -130,27 +139,15 @@ def test_the_portable_build_of_the_compiled_loop_equals_the_torch_path():
         pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
     lib = gguf_native._build([f for f in gguf_native.FLAGS if not f.startswith("-march")])
     rng = np.random.default_rng(7)
-    for qtype, kind in gguf_native.KINDS.items():
+    for qtype in gguf_native.KINDS:
         block, size = gguf_blocks.BLOCK_SIZES[qtype]
         n = 300
-        raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
-        for lo, hi in K_QUANTS.get(qtype, [(0, 2), (2, 4)] if qtype in ("Q4_1", "Q5_1") else [(0, 2)]):
-            raw[:, lo:hi] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
-        raw[0, :2] = np.frombuffer(np.float16(6e-8).tobytes(), np.uint8)  # a subnormal scale
-        data = torch.from_numpy(raw.reshape(-1).copy())
+        data = _random_blocks(rng, qtype, n)
+        data[:2] = torch.from_numpy(np.frombuffer(np.float16(6e-8).tobytes(), np.uint8).copy())  # a subnormal scale
         out = torch.full((n * block,), float("nan"))
-        assert lib.dequantize(data.data_ptr(), out.data_ptr(), n, kind, 1) == 0
+        assert gguf_native.run_many(lib, [(data.data_ptr(), out.data_ptr(), n, qtype)], 1) == 0
         want = gguf_blocks.dequantize_into(data, qtype, torch.empty(n * block), native=False)
         np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()), err_msg=qtype)
-
-
-def _random_blocks(rng, qtype: str, n: int) -> torch.Tensor:
-    """n blocks of `qtype` with random codes and small random scales (finite weights)."""
-    size = gguf_blocks.BLOCK_SIZES[qtype][1]
-    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
-    for lo, hi in K_QUANTS.get(qtype, [(0, 2), (2, 4)] if qtype in ("Q4_1", "Q5_1") else [(0, 2)]):
-        raw[:, lo:hi] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return torch.from_numpy(raw.reshape(-1).copy())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -170,13 +167,8 @@ def test_a_layers_tensors_at_once_equal_each_alone(threads):
         data = _random_blocks(rng, qtype, n)
         items.append((data, qtype, torch.full((n * block,), float("nan")), block, size))
         wants.append(gguf_blocks.dequantize_into(data, qtype, torch.empty(n * block), native=False))
-    k = len(items)
-    ctypes = gguf_native.ctypes
-    srcs = (ctypes.c_void_p * k)(*(d.data_ptr() for d, *_ in items))
-    dsts = (ctypes.c_void_p * k)(*(o.data_ptr() for _, _, o, *_ in items))
-    counts = (ctypes.c_int64 * k)(*(d.numel() // s for d, _, _, _, s in items))
-    kinds = (ctypes.c_int * k)(*(gguf_native.KINDS[q] for _, q, *_ in items))
-    assert gguf_native._lib.dequantize_many(srcs, dsts, counts, kinds, k, threads) == 0
+    tensors = [(d.data_ptr(), o.data_ptr(), d.numel() // size, q) for d, q, o, _, size in items]
+    assert gguf_native.run_many(gguf_native._lib, tensors, threads) == 0
     for (_, qtype, out, _, _), want in zip(items, wants):
         np.testing.assert_array_equal(_bits(out.numpy()), _bits(want.numpy()), err_msg=qtype)
     # the Python entry point (THREADS threads), on fresh outputs
@@ -226,10 +218,7 @@ def test_the_compiled_loop_widens_every_16_bit_float_as_torch_does(fmt, portable
     raw = torch.arange(n, dtype=torch.int32).to(torch.int16)
     want = raw.view(getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[fmt])).float()
     out = torch.full((n,), float("nan"))
-    ctypes = gguf_native.ctypes
-    k = gguf_native.FLOAT_KINDS[fmt]
-    srcs, dsts = (ctypes.c_void_p * 1)(raw.data_ptr()), (ctypes.c_void_p * 1)(out.data_ptr())
-    assert lib.dequantize_many(srcs, dsts, (ctypes.c_int64 * 1)(n), (ctypes.c_int * 1)(k), 1, 2) == 0
+    assert gguf_native.run_many(lib, [(raw.data_ptr(), out.data_ptr(), n, fmt)], 2) == 0
     nan = torch.isnan(want)
     assert nan.any() and torch.equal(torch.isnan(out), nan)
     np.testing.assert_array_equal(_bits(out[~nan].numpy()), _bits(want[~nan].numpy()))
@@ -241,12 +230,9 @@ def test_an_unknown_kind_or_count_writes_nothing():
     from offload_engine.formats import gguf_native
     if not gguf_native.available():
         pytest.skip(f"compiled dequantizer unavailable here: {gguf_native.why_not()}")
-    ctypes = gguf_native.ctypes
     data = _random_blocks(np.random.default_rng(0), "Q8_0", 40000)
     out = torch.full((40000 * 32,), float("nan"))
     for kind, count in ((99, 10), (0, -1)):
-        srcs = (ctypes.c_void_p * 2)(data.data_ptr(), data.data_ptr())
-        dsts = (ctypes.c_void_p * 2)(out.data_ptr(), out.data_ptr())
-        assert gguf_native._lib.dequantize_many(srcs, dsts, (ctypes.c_int64 * 2)(40000, count),
-                                                (ctypes.c_int * 2)(0, kind), 2, 2) == -1
+        tensors = [(data.data_ptr(), out.data_ptr(), 40000, "Q8_0"), (data.data_ptr(), out.data_ptr(), count, kind)]
+        assert gguf_native.run_many(gguf_native._lib, tensors, 2) == -1
         assert torch.isnan(out).all()

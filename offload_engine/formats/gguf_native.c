@@ -263,8 +263,3 @@ int dequantize_many(const uint8_t *const *srcs, float *const *dsts, const int64_
     }
     return 0;
 }
-
-/* One tensor: `n_blocks` blocks of format `kind` from `src` into `dst` (see dequantize_many). */
-int dequantize(const uint8_t *src, float *dst, int64_t n_blocks, int kind, int threads) {
-    return dequantize_many(&src, &dst, &n_blocks, &kind, 1, threads);
-}

@@ -33,6 +33,7 @@ KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K
 # 16-bit floats widened to float32 (a layer stored in f16/bf16, computed in float32): also the C
 # loop's, so that the layer loader never converts with torch (runtime/streamer.py)
 FLOAT_KINDS = {"F16": 8, "BF16": 9}
+_ALL_KINDS = {**KINDS, **FLOAT_KINDS}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-shared", "-fPIC"]
 THREADS = max(1, min(2, os.cpu_count() or 1))
 
@@ -72,8 +73,6 @@ def _build(flags: list[str] = FLAGS) -> ctypes.CDLL:
         finally:
             tmp.unlink(missing_ok=True)
     handle = ctypes.CDLL(str(lib))
-    handle.dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    handle.dequantize.restype = ctypes.c_int
     handle.dequantize_many.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                                        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                                        ctypes.c_int]
@@ -107,7 +106,7 @@ def why_not() -> str:
 
 def _blocks(data: torch.Tensor, qtype: str, out: torch.Tensor, block: int, size: int) -> int | None:
     """How many blocks `data` holds, or None where the fast path does not apply."""
-    if ((qtype not in KINDS and qtype not in FLOAT_KINDS) or data.device.type != "cpu" or out.device.type != "cpu"
+    if (qtype not in _ALL_KINDS or data.device.type != "cpu" or out.device.type != "cpu"
             or out.dtype != torch.float32 or not data.is_contiguous() or not out.is_contiguous()):
         return None
     n = data.numel() // size
@@ -133,10 +132,19 @@ def dequantize_many(items: list[tuple[torch.Tensor, str, torch.Tensor, int, int]
     counts = [_blocks(*item) for item in items]
     if None in counts:
         return False
-    k = len(items)
-    srcs = (ctypes.c_void_p * k)(*(data.data_ptr() for data, *_ in items))
-    dsts = (ctypes.c_void_p * k)(*(out.data_ptr() for _, _, out, *_ in items))
-    kinds = (ctypes.c_int * k)(*({**KINDS, **FLOAT_KINDS}[qtype] for _, qtype, *_ in items))
-    if _lib.dequantize_many(srcs, dsts, (ctypes.c_int64 * k)(*counts), kinds, k, THREADS) != 0:
+    tensors = [(data.data_ptr(), out.data_ptr(), n, qtype) for (data, qtype, out, *_), n in zip(items, counts)]
+    if run_many(_lib, tensors, THREADS) != 0:
         raise ValueError(f"{', '.join(sorted({q for _, q, *_ in items}))}: the compiled dequantizer refused the format")
     return True
+
+
+def run_many(lib: ctypes.CDLL, tensors: list[tuple[int, int, int, str | int]], threads: int) -> int:
+    """The compiled `dequantize_many` of `lib` on (source address, destination address, blocks,
+    format name or kind number) per tensor, unchecked; its return code (0, or -1 for a bad kind
+    or count). `dequantize_many` above is the checked entry point."""
+    k = len(tensors)
+    srcs = (ctypes.c_void_p * k)(*(src for src, *_ in tensors))
+    dsts = (ctypes.c_void_p * k)(*(dst for _, dst, *_ in tensors))
+    counts = (ctypes.c_int64 * k)(*(n for _, _, n, _ in tensors))
+    kinds = (ctypes.c_int * k)(*(_ALL_KINDS.get(kind, kind) for *_, kind in tensors))
+    return lib.dequantize_many(srcs, dsts, counts, kinds, k, threads)

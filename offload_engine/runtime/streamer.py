@@ -415,7 +415,7 @@ class LayerExecutor:
             # OpenMP a second thread team, which slows the compute thread's every matmul while
             # the loader lives (see `dequantize_many` in formats/gguf_native.c)
             src = self.ram_blocks[layer]
-            if not (src.is_contiguous() and dest.is_contiguous() and src.numel() >= size <= dest.numel()):
+            if not (src.is_contiguous() and dest.is_contiguous() and size <= min(src.numel(), dest.numel())):
                 raise RuntimeError(f"layer {layer}: a RAM block of {src.numel()} bytes cannot fill {size}")
             ctypes.memmove(dest.data_ptr(), src.data_ptr(), size)
             copied = size

@@ -24,8 +24,8 @@ OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard =
 
 
 def _loaded_libgomps() -> list[str]:
-    """The OpenMP runtimes this process has loaded: GNU's under its soname, and any renamed copy
-    a wheel bundles (e.g. libgomp-<hash>.so.1), as /proc/self/maps lists them."""
+    """Where to find the OpenMP runtime torch loaded: torch's own copy as /proc/self/maps lists
+    it (some wheels rename it, e.g. libgomp-<hash>.so.1), then GNU's soname."""
     names = []
     try:
         with open("/proc/self/maps") as maps:
