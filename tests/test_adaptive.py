@@ -189,7 +189,8 @@ def test_a_plain_check_finds_plain_decoding_faster_than_the_profile_said(monkeyp
     the profile chose pays under the profile (1.47x), not in truth. A plain step after the first
     two tree steps measures plain decoding, and the planner moves to it; with the checks turned
     off it stays on the tree for good (its steps all match their predictions). A tree predicted
-    PLAIN_CHECK_BELOW (2x) faster or more is not checked."""
+    PLAIN_CHECK_BELOW (2x) faster or more gets the first check only (a run's speed-up over plain
+    decoding always stands on a plain step it measured), and no later one."""
     base = _flat(draft_s=0.15)
     truth = replace(base, plain_seconds=-0.45 * base.target(1))  # plain: 0.55 of the profile's
     tree = Candidates(TRUE, BUDGETS, 12).best(base)
@@ -204,9 +205,12 @@ def test_a_plain_check_finds_plain_decoding_faster_than_the_profile_said(monkeyp
     used = _run(unchecked, World(TRUE, truth, seed=7), 60)
     assert set(used) == {(tree.budget, tree.depth)}
     monkeypatch.setattr(adaptive, "PLAIN_CHECK_FIRST", 2)
-    fast = _flat(draft_s=0.01)  # the best tree predicted 2.4x plain decoding
-    used = _run(_planner(TRUE, fast), World(TRUE, replace(fast, plain_seconds=-0.45 * fast.target(1)), seed=7), 60)
-    assert (1, 1) not in used
+    fast = _flat(draft_s=0.01)  # the best tree predicted 2.4x plain decoding, and it is
+    planner = _planner(TRUE, fast)
+    assert Candidates(TRUE, BUDGETS, 12).best(fast).seconds_per_token * adaptive.PLAIN_CHECK_BELOW < fast.plain()
+    used = _run(planner, World(TRUE, fast, seed=7), 120)
+    assert [k for k, u in enumerate(used) if u == (1, 1)] == [2], used
+    assert planner.log.plain_steps == 1 and planner.timing.plain_measured()
 
 
 def test_plain_when_no_tree_pays_probes_and_comes_back_when_the_draft_agrees(monkeypatch):
@@ -286,7 +290,8 @@ def test_short_answers_are_planned_for_their_length_and_forecast_truly():
     aware, aware_forecast, aware_trees = _generations(_planner(vector, base), World(vector, base, seed=11), 8, 200)
     blind, blind_forecast, blind_trees = _generations(_planner(vector, base), World(vector, base, seed=12), 8, 200,
                                                       aware=False)
-    assert set(blind_trees) == {"(96,12)"}, blind_trees  # not told: the deep tree, every step
+    # not told: the deep tree, every step but the planner's first plain check (one plain step)
+    assert set(blind_trees) == {"(96,12)", "plain"} and blind_trees["plain"] == 1, blind_trees
     # told: shallower trees, and in the tail (the second step of an 8-token answer) smaller ones still
     assert "(96,12)" not in aware_trees and len(aware_trees) >= 2, aware_trees
     assert aware <= 0.95 * blind, (aware, blind)
