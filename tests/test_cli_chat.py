@@ -103,7 +103,7 @@ def test_the_auto_summary_says_what_its_speed_up_stands_on():
     line = _auto_summary({"decode_tokens_per_second": 10.0}, auto)
     assert "1.50x over plain streamed decoding (0.150 s/token, 1 plain step measured here; 1.04x predicted" in line
     line = _auto_summary({"decode_tokens_per_second": 10.0}, {**auto, "plain_steps": 3})
-    assert "3 plain steps measured here" in line
+    assert "(0.150 s/token, median of 3 plain steps measured here" in line
     line = _auto_summary({"decode_tokens_per_second": 10.0},
                          {**auto, "plain_steps": 0, "measured_plain_seconds_per_token": None})
     assert "1.30x over plain streamed decoding (0.130 s/token, predicted from this run's steps" in line

@@ -341,7 +341,8 @@ def _auto_summary(stats: dict, auto: dict) -> str:
     k = auto.get("plain_steps", 0)
     # (how many plain steps the measured speed-up stands on: one step on a disk whose speed moves
     # 2x within a minute is a noisy yardstick, and the line says so)
-    plain, how = auto["measured_plain_seconds_per_token"], f"{k} plain step{'s' if k != 1 else ''} measured here"
+    plain, how = auto["measured_plain_seconds_per_token"], (f"median of {k} plain steps measured here" if k > 1
+                                                             else "1 plain step measured here")
     if plain is None:
         plain, how = auto["adapted_plain_seconds_per_token"], "predicted from this run's steps"
     return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "

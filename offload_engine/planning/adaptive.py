@@ -22,20 +22,24 @@ only when the acceptance estimate has moved by more than REFILL_DISTANCE (L1), u
 current budget (the larger candidates kept as they were), and only when the refill's predicted
 cost keeps all re-planning under REPLAN_SHARE of the decoding time so far (counted across
 generations). It switches only when the new choice is predicted HYSTERESIS faster than the
-current one under the same model (no flapping). When plain decoding wins, a step after
+current one under the same model (no flapping), but for plain decoding, taken from a tree as soon
+as it is predicted faster (a useless draft's small tree, 5% slower than plain, was kept for the
+margin; the way back to a tree needs the whole margin). When plain decoding wins, a step after
 PROBE_EVERY plain ones runs the best tree anyway, so that the evidence that would bring the
 tree back keeps coming; each probe after which plain decoding stays chosen doubles the wait (up
 to PROBE_MAX steps), so that a draft that does not pay costs little. The other way round, while
-a tree is chosen, a plain check of PLAIN_CHECK_STEPS plain step runs after the first
-PLAIN_CHECK_FIRST tree steps, and then every PLAIN_CHECK_EVERY while the tree is predicted less
-than PLAIN_CHECK_BELOW times as fast as plain decoding (where an error in plain's prediction could
-change the choice): plain decoding's time is measured rather than carried over from the trees'
-steps (a tree's pass on the 2-vCPU machine cost 1.2x a plain one where the profile said 1.09x, so
-plain decoding predicted from the trees' factor was 25-30% slow, 2026-12-02), and it is what
-every choice is weighed against. The first check runs however fast the tree is predicted, so
-that a run's speed-up over plain decoding is always against plain steps it measured itself
-(the demo's line, 2026-12-03, had stood on the profile's plain time: 2.5x shown, 1.7-2.1x
-against plain decoding measured on its own); it costs one plain step per planner.
+a tree is chosen, a plain check of PLAIN_CHECK_STEPS plain step runs every PLAIN_CHECK_FIRST
+tree steps until PLAIN_CHECK_SAMPLES plain steps are timed, and then every PLAIN_CHECK_EVERY while
+the tree is predicted less than PLAIN_CHECK_BELOW times as fast as plain decoding (where an error
+in plain's prediction could change the choice): plain decoding's time is measured rather than
+carried over from the trees' steps (a tree's pass on the 2-vCPU machine cost 1.2x a plain one
+where the profile said 1.09x, so plain decoding predicted from the trees' factor was 25-30% slow,
+2026-12-02), and it is what every choice is weighed against. The first checks run however fast
+the tree is predicted, so that a run's speed-up over plain decoding always stands on plain steps
+it measured itself (the demo's line, 2026-12-03, had stood on the profile's plain time: 2.5x
+shown, 1.7-2.1x against plain decoding measured on its own), and on the median of several spread
+over the run (one plain step of the demo took 0.49 s where its neighbours' took 0.13-0.15: a disk
+stall, and 5.8x printed); they cost a few plain steps per planner.
 
 With suffix drafts grafted on (`--draft X+suffix`), each step also chooses, before it runs, among
 the planner's tree alone ("model": plain decoding when that is the choice), the suffix proposal
@@ -91,7 +95,8 @@ HYSTERESIS = 0.05  # a new tree must be predicted this much faster
 PROBE_EVERY = 12  # plain steps before the first probe of the best tree
 PROBE_MAX = 48  # probes that keep plain decoding chosen double the wait up to this
 PLAIN_CHECK_STEPS = 1  # plain steps per check (a plain step is timed on its first use too)
-PLAIN_CHECK_FIRST = 2  # tree steps before the first check
+PLAIN_CHECK_FIRST = 2  # tree steps before the first check (and between the first checks)
+PLAIN_CHECK_SAMPLES = 3  # plain steps timed by the first checks, whatever the tree's predicted speed-up
 PLAIN_CHECK_EVERY = 48  # tree steps between later checks
 PLAIN_CHECK_BELOW = 2.0  # checks only while the tree is predicted less than this much faster than plain
 TAIL = 2.0  # re-plan after every step once fewer tokens are left than this many steps of the tree's
@@ -192,6 +197,10 @@ class TimingEstimate:
 
     def plain_measured(self) -> bool:
         return bool(self._ratios["plain"])
+
+    def plain_samples(self) -> int:
+        """Plain steps timed (the last WINDOW at most)."""
+        return len(self._ratios["plain"])
 
     def timings(self) -> Timings:
         """The profile's timings with the learned factors applied; a plain step at its own
@@ -393,6 +402,7 @@ class GenerationLog:
     measured_tokens: int = 0
     plain_steps: int = 0
     plain_seconds: float = 0.0  # measured, over the plain steps
+    plain_times: list = field(default_factory=list)  # each plain step's seconds
     switches: int = 0
     replans: int = 0
     replan_seconds: float = 0.0
@@ -406,7 +416,8 @@ class GenerationLog:
                 if self.measured_tokens else None,
                 # the tokens the steps were forecast to hand out, and did (the prefill's first not counted)
                 "forecast_tokens": self.predicted_tokens, "measured_tokens": self.measured_tokens,
-                "measured_plain_seconds_per_token": self.plain_seconds / self.plain_steps if self.plain_steps else None,
+                # (the median: one stalled read in a handful of plain steps is not plain decoding's speed)
+                "measured_plain_seconds_per_token": statistics.median(self.plain_times) if self.plain_times else None,
                 "plain_steps": self.plain_steps}
 
 
@@ -494,12 +505,17 @@ class OnlinePlanner:
 
     def _rechoose(self, timings: Timings) -> bool:
         """The best candidate for the tokens left under `timings`, taken when it is predicted
-        HYSTERESIS faster than the current choice (else the current one, evaluated afresh).
-        True when the tree changed."""
+        HYSTERESIS faster than the current choice, or when it is plain decoding predicted faster
+        at all (else the current one, evaluated afresh). True when the tree changed."""
         best = self.candidates.best(timings, length=self.planning_length())
         now = self._evaluate(self.current, timings)
         switched = False
-        if now is None or best.seconds_per_token < now.seconds_per_token * (1 - HYSTERESIS):
+        # (a tree predicted to lose to plain decoding is not kept for the margin's sake: a useless
+        # draft's (4, 2) tree, 5.2% slower than plain, stayed on for good; the way back to a tree
+        # needs the whole margin, so this does not flap)
+        to_plain = best.budget == 1 and now is not None and now.budget > 1
+        if (now is None or best.seconds_per_token < now.seconds_per_token * (1 - HYSTERESIS)
+                or (to_plain and best.seconds_per_token < now.seconds_per_token)):
             if (best.budget, best.depth) != (self.current.budget, self.current.depth):
                 switched = True
                 if best.budget > 1:
@@ -610,6 +626,7 @@ class OnlinePlanner:
         if n == 1 and arm == "model":
             log.plain_steps += 1
             log.plain_seconds += times.total
+            log.plain_times.append(times.total)
         self.decode_seconds += times.total
         if not self.adapt:
             return None
@@ -639,12 +656,12 @@ class OnlinePlanner:
             probe = self.candidates.best(self.timing.timings(), allow_plain=False, length=self.planning_length())
             if probe.budget > 1:
                 self.probing, self._probe_choice = True, probe
+        first = self.timing.plain_samples() < PLAIN_CHECK_SAMPLES  # (the first checks run whatever the prediction)
         if (self.current.budget > 1 and not self.probing and not self.checking
-                and self.tree_run >= (PLAIN_CHECK_EVERY if self.timing.plain_measured() else PLAIN_CHECK_FIRST)):
+                and self.tree_run >= (PLAIN_CHECK_FIRST if first else PLAIN_CHECK_EVERY)):
             self.tree_run = 0
             timings = self.timing.timings()
             now = self._evaluate(self.current, timings)
-            first = not self.timing.plain_measured()  # (the first check runs whatever the prediction)
             if now is not None and (first or now.seconds_per_token * PLAIN_CHECK_BELOW > timings.plain()):
                 self.checking = PLAIN_CHECK_STEPS
         nxt = self.spec()
