@@ -36,7 +36,8 @@ from .speculation.acceptance_store import draft_key, nearest, stored_vectors
 from .speculation.decoder import GENERIC_ACCEPTANCE, TREE_KINDS, PrefixCache, SpeculativeDecoder, TreeSpec
 from .speculation.suffix import DEFAULT_MEMORY, MAX_PATTERN, SuffixDrafter, SuffixStore, split_draft
 from .speculation.drafts import (SELF_DRAFTS, SUBSTITUTE_DRAFTS, build_self_draft, check_group_size, default_draft_dir,
-                                 is_substitute_draft, self_draft_bytes, self_draft_scheme, substitute_layer_bytes)
+                                 head_bytes, is_substitute_draft, self_draft_bytes, self_draft_scheme,
+                                 substitute_layer_bytes)
 
 DEFAULT_MAX_CONTEXT = 8192
 OnToken = Callable[[int, str], None]
@@ -131,6 +132,8 @@ def _setup(target, device, dtype, max_context, offload, vram, ram, buffers, max_
     finally:
         ckpt.close()
     draft_bytes, draft_folder, draft_cfg = _draft_parts(draft, folder, cfg, dt, draft_group_size, progress)
+    if self_draft_scheme(draft) is not None:  # its int8 head, where it has one (drafts.quantized_head)
+        draft_bytes += head_bytes(cfg, dev)
     # the draft's own KV caches, one per slot (a self-draft has the target's shape); a substitute
     # draft has none (it shares the target's) and a quantised copy of each streamed layer only
     substitute = substitute_layer_bytes(cfg, dt, self_draft_scheme(draft), draft_group_size) \

@@ -434,7 +434,8 @@ def test_self_drafts_start_from_a_quantized_targets_dequantized_weights(mixed, c
     try:
         # the self-draft quantizes the target's dequantized weights: the same draft as from the
         # float32 conversion, whose proposals (hence the steps taken) are then the same too
-        for name, inputs in (("self_attn.q_proj.weight", 256), ("mlp.down_proj.weight", 512)):
+        # (q, k and v as one matrix: `model.fuse_projections`)
+        for name, inputs in (("self_attn.qkv_proj.weight", 256), ("mlp.down_proj.weight", 512)):
             a, b = spec.draft.layers[1][name], from_f32.draft.layers[1][name]
             x = torch.randn(3, inputs, generator=torch.Generator().manual_seed(0))
             assert torch.equal(a.linear(x, None), b.linear(x, None))

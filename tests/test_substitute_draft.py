@@ -17,7 +17,7 @@ from offload_engine.formats.config import load_config
 from offload_engine.runtime import streamer
 from offload_engine.runtime.quant import QuantizedLinear
 from offload_engine.speculation.decoder import SpeculativeDecoder
-from offload_engine.speculation.drafts import substitute_layer_bytes
+from offload_engine.speculation.drafts import head_bytes, substitute_layer_bytes
 from sequoia_trees.sampling import SamplingParams
 from tiny_models import greedy_past_eos, make_tiny_checkpoint
 
@@ -64,12 +64,13 @@ def test_the_plan_counts_a_substitute_per_streamed_layer_and_no_draft_cache(targ
                              vram=_budget_for(target, resident), buffers=1)
         streamed = LAYERS - len(plan.resident_layers)
         assert plan.fixed_bytes[f"draft substitutes ({streamed} streamed layers)"] == streamed * sub
-        assert not any("draft kv" in k or k == "draft" for k in plan.fixed_bytes), plan.fixed_bytes
+        assert not any("draft kv" in k for k in plan.fixed_bytes), plan.fixed_bytes
+        assert plan.fixed_bytes.get("draft") == head_bytes(cfg, "cpu")  # (its int8 head, on the CPU)
         assert plan.vram_bytes <= plan.vram_budget_bytes
         # each resident layer pays its bytes and saves its substitute: one more would not fit
         assert len(plan.resident_layers) == resident
     full, *_ = plan_only(target, device="cpu", draft="self-int4", draft_group_size=32, offload="disk")
-    assert full.fixed_bytes["draft"] == LAYERS * sub and "draft kv cache" in full.fixed_bytes
+    assert full.fixed_bytes["draft"] == LAYERS * sub + head_bytes(cfg, "cpu") and "draft kv cache" in full.fixed_bytes
 
 
 def test_the_substitute_draft_runs_the_targets_resident_layers(target, tmp_path, monkeypatch):

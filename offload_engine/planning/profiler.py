@@ -69,9 +69,10 @@ TARGET_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
-PROFILE_VERSION = 7  # 5: the pass waits and the overlap used (drafting while the target streams); 6: the
+PROFILE_VERSION = 8  # 5: the pass waits and the overlap used (drafting while the target streams); 6: the
 # timed steps' trees shaped by the pair's own vectors (`shaping_vectors`); 7: self-q8/self-int8 levels timed
-# with the CPU's integer GEMM only where it pays (`quant._wide_pays`: without VNNI it was 15x slower)
+# with the CPU's integer GEMM only where it pays (`quant._wide_pays`: without VNNI it was 15x slower); 8: self-draft
+# levels with fused q/k/v and gate/up matrices and an int8 head (`model.fuse_projections`)
 # the real steps timed for the step model, most informative first (the time budget may cut the
 # list after the fourth); the plain step always runs last
 STEP_SHAPES = ((64, 8), (4, 3), (16, 4), (128, 10), (32, 6), (256, 12))

@@ -24,6 +24,7 @@ from .attention import resolve as resolve_attention
 from .kv_cache import KVCache
 
 LayerWeights = dict[str, torch.Tensor]
+FUSED_QKV, FUSED_GATE_UP = "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"  # (`fuse_projections`)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,10 +87,17 @@ def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, laye
     """Grouped-query attention of the new tokens over the cached prefix plus themselves (or, with
     `slots`, over the static cache's first mask-width slots, the new K/V written at those slots)."""
     B, S, _ = x.shape
-    q = _linear(x, w, "self_attn.q_proj").view(B, S, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-    k = _linear(x, w, "self_attn.k_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-    v = _linear(x, w, "self_attn.v_proj").view(B, S, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-    q, k = rope.apply(q), rope.apply(k)  # q: [B, H, S, D]; k, v: [B, KVH, S, D]
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if FUSED_QKV in w:  # a self-draft's one matrix for q, k and v (`fuse_projections`): rope once on q and k
+        qkv = _linear(x, w, FUSED_QKV[:-len(".weight")])
+        qk = rope.apply(qkv[..., :(H + KVH) * D].view(B, S, H + KVH, D).transpose(1, 2))
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[..., (H + KVH) * D:].view(B, S, KVH, D).transpose(1, 2)
+    else:
+        q = _linear(x, w, "self_attn.q_proj").view(B, S, H, D).transpose(1, 2)
+        k = _linear(x, w, "self_attn.k_proj").view(B, S, KVH, D).transpose(1, 2)
+        v = _linear(x, w, "self_attn.v_proj").view(B, S, KVH, D).transpose(1, 2)
+        q, k = rope.apply(q), rope.apply(k)  # q: [B, H, S, D]; k, v: [B, KVH, S, D]
     if slots is None:
         keys, values = cache.write(layer, k, v)  # [B, KVH, T, D], T = cached + S
     else:  # T = the mask's width: the first T slots of the static cache (a fixed shape per graph)
@@ -102,7 +110,29 @@ def attention(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, laye
 
 def mlp(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+    if FUSED_GATE_UP in w:  # a self-draft's one matrix for gate and up (`fuse_projections`)
+        gate, up = _linear(x, w, FUSED_GATE_UP[:-len(".weight")]).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, w, "mlp.down_proj")
     return _linear(F.silu(_linear(x, w, "mlp.gate_proj")) * _linear(x, w, "mlp.up_proj"), w, "mlp.down_proj")
+
+
+def fuse_projections(layer: LayerWeights, make) -> LayerWeights:
+    """A layer's q, k and v matrices as one (FUSED_QKV), and gate and up as one (FUSED_GATE_UP),
+    each built by `make` from the float matrices stacked by rows; the rest as they are. Fewer,
+    larger matmuls: a quantised self-draft's level is short calls (on the 2-vCPU machine a width-1
+    int8 matmul took 30-90 us, a third of it the call around the kernel). Rows are independent
+    in every scheme here (per-row int8 scales, int4 groups along a row), so the fused matrices
+    give the separate ones' outputs bit for bit (tested). Layers with biases are left as they are."""
+    names = {FUSED_QKV: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             FUSED_GATE_UP: ("mlp.gate_proj", "mlp.up_proj")}
+    out = dict(layer)
+    for fused, parts in names.items():
+        if any(p + ".bias" in layer for p in parts) or not all(p + ".weight" in layer for p in parts):
+            continue
+        out[fused] = make(torch.cat([layer[p + ".weight"].float() for p in parts]))
+        for p in parts:
+            del out[p + ".weight"]
+    return out
 
 
 def decoder_layer(w: LayerWeights, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int,
@@ -148,6 +178,9 @@ class Transformer:
         self.interrupt: threading.Event | None = None
         # a substitute self-draft (speculation/drafts.py): runs on the target's KV cache
         self.shares_cache = False
+        # a self-draft on the CPU: the head as an int8 matrix (quant.QuantizedLinear), its logits
+        # from that (speculation/drafts.py: the float head is most of a width-1 level's reads)
+        self.quantized_head = None
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -206,4 +239,6 @@ class Transformer:
         if logits_rows is not None:
             x = x[:, logits_rows]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        if self.quantized_head is not None:
+            return self.quantized_head.linear(x)[0].float()
         return F.linear(x, self.lm_head)[0].float()  # [S', V]
