@@ -12,7 +12,10 @@
 #   step    the step benchmark (benchmarks/gpu_step.py): target pass, draft levels, the rest of the
 #           step, for trees (16,6) .. (512,20), greedy and T=0.6, a profiled step, the issue-17 bar,
 #           and issue 23's: the (128,12) step with the next tree grown during the pass
-# Run some stages alone with STAGES="tests step" scripts/gpu_check.sh. Results go to $OUT
+#   quick   the step benchmark's --quick: (128,12) only, both temperatures, the small vocabulary
+#           (the issue-17 and issue-23 bars there, in about a minute)
+# Run some stages alone, in the order named, with STAGES="quick tests" scripts/gpu_check.sh (a
+# stage that needs the folders makes them first). Results go to $OUT
 # (default ./gpu_check_out); the folders to $WORK (default /tmp/sequoia_gpu_check, about 30 GB).
 # Python: the machine's python3 when it has CUDA torch (the repo on PYTHONPATH, nothing installed);
 # otherwise a venv of its own, set up only when a package index is reachable.
@@ -56,45 +59,53 @@ assert not missing, f"missing Python packages: {', '.join(missing)}"
 assert torch.cuda.is_available(), "torch sees no GPU"
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
 EOF
-tests_rc=0; stream_rc=0; step_rc=0; quant_rc=0
+tests_rc=0; stream_rc=0; step_rc=0; quant_rc=0; quick_rc=0
+folders_made=0
 
-if has tests; then
-    step "cuda tests"
-    timeout 240 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
-    tests_rc=${PIPESTATUS[0]}
-fi
-
-if has h2d; then
-    step "host-to-device bandwidth"
-    timeout 60 $PY benchmarks/h2d_bandwidth.py --mib 1024 --json "$OUT/h2d.json" 2>&1 | tee "$OUT/h2d.txt"
-fi
-
-if has folders || has stream || has quant || has step; then
-    step "random-weight checkpoints of real shapes (made on the GPU)"
-    timeout 150 $PY benchmarks/gpu_step.py --make-only --work "$WORK" 2>&1 | tee "$OUT/folders.txt"
-fi
-
-if has stream; then
-    step "stream benchmark (6 layers of 70B shape, every layer from pinned RAM)"
-    timeout 120 $PY benchmarks/stream_bench.py --target "$WORK/target-v320" --device cuda --offload ram \
-        --widths 1,16,64,256,1024 --repeats 3 --no-peer --json "$OUT/stream_ram_cuda.json" 2>&1 | tee "$OUT/stream_ram_cuda.txt"
-    stream_rc=${PIPESTATUS[0]}
-fi
-
-if has quant; then
-    step "quantized streaming (the 6 layers as q4_0 blocks against bf16, from pinned RAM)"
-    timeout 180 $PY benchmarks/stream_bench.py --target "$WORK/target-v320" --device cuda --offload ram \
-        --weights bf16,q4_0 --widths 1,16,64 --repeats 3 --prefix 128 --json "$OUT/stream_quant_cuda.json" \
-        2>&1 | tee "$OUT/stream_quant_cuda.txt"
-    quant_rc=${PIPESTATUS[0]}
-fi
-
-if has step; then
-    step "step benchmark"
-    timeout 240 $PY benchmarks/gpu_step.py --work "$WORK" --json "$OUT/gpu_step.json" 2>&1 | tee "$OUT/gpu_step.txt"
-    step_rc=${PIPESTATUS[0]}
-    cp "$WORK"/profile_step_v*.txt "$OUT"/ 2>/dev/null
-fi
+run_stage() {
+    case "$1" in
+    tests)
+        step "cuda tests"
+        timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
+        tests_rc=${PIPESTATUS[0]} ;;
+    h2d)
+        step "host-to-device bandwidth"
+        timeout 60 $PY benchmarks/h2d_bandwidth.py --mib 1024 --json "$OUT/h2d.json" 2>&1 | tee "$OUT/h2d.txt" ;;
+    folders)
+        [ "$folders_made" -eq 1 ] && return
+        step "random-weight checkpoints of real shapes (made on the GPU)"
+        timeout 150 $PY benchmarks/gpu_step.py --make-only --work "$WORK" 2>&1 | tee "$OUT/folders.txt"
+        folders_made=1 ;;
+    stream)
+        run_stage folders
+        step "stream benchmark (6 layers of 70B shape, every layer from pinned RAM)"
+        timeout 120 $PY benchmarks/stream_bench.py --target "$WORK/target-v320" --device cuda --offload ram \
+            --widths 1,16,64,256,1024 --repeats 3 --no-peer --json "$OUT/stream_ram_cuda.json" 2>&1 | tee "$OUT/stream_ram_cuda.txt"
+        stream_rc=${PIPESTATUS[0]} ;;
+    quant)
+        run_stage folders
+        step "quantized streaming (the 6 layers as q4_0 blocks against bf16, from pinned RAM)"
+        timeout 180 $PY benchmarks/stream_bench.py --target "$WORK/target-v320" --device cuda --offload ram \
+            --weights bf16,q4_0 --widths 1,16,64 --repeats 3 --prefix 128 --json "$OUT/stream_quant_cuda.json" \
+            2>&1 | tee "$OUT/stream_quant_cuda.txt"
+        quant_rc=${PIPESTATUS[0]} ;;
+    quick)
+        run_stage folders
+        step "step benchmark, quick: (128,12) at both temperatures, the small vocabulary"
+        timeout 180 $PY benchmarks/gpu_step.py --quick --work "$WORK" --json "$OUT/gpu_step_quick.json" 2>&1 | tee "$OUT/gpu_step_quick.txt"
+        quick_rc=${PIPESTATUS[0]} ;;
+    step)
+        run_stage folders
+        step "step benchmark"
+        timeout 240 $PY benchmarks/gpu_step.py --work "$WORK" --json "$OUT/gpu_step.json" 2>&1 | tee "$OUT/gpu_step.txt"
+        step_rc=${PIPESTATUS[0]}
+        cp "$WORK"/profile_step_v*.txt "$OUT"/ 2>/dev/null ;;
+    *) echo "gpu_check: no stage '$1' (tests h2d folders stream quant quick step)"; exit 2 ;;
+    esac
+}
+for stage in $STAGES; do  # in the order given
+    has "$stage" && run_stage "$stage"
+done
 
 step "summary"
 {
@@ -103,7 +114,8 @@ step "summary"
     want h2d && echo "bandwidth: $(tail -1 "$OUT/h2d.txt" 2>/dev/null)"
     if want stream; then echo "stream benchmark (exit $stream_rc):"; grep '^|' "$OUT/stream_ram_cuda.txt" 2>/dev/null; fi
     if want quant; then echo "quantized streaming (exit $quant_rc; issue-18 bar: q4_0 pass <= 0.33x bf16):"; grep '^|' "$OUT/stream_quant_cuda.txt" 2>/dev/null; fi
+    if want quick; then echo "step benchmark, quick (exit $quick_rc):"; sed -n '/issue-17 and issue-23 bars/,$p' "$OUT/gpu_step_quick.txt" 2>/dev/null; fi
     if want step; then echo "step benchmark (exit $step_rc):"; sed -n '/issue-17 and issue-23 bars/,$p' "$OUT/gpu_step.txt" 2>/dev/null; fi
     echo "total: $(( $(date +%s) - start )) s"
 } | tee "$OUT/summary.txt"
-[ "$tests_rc" -eq 0 ] && [ "$stream_rc" -eq 0 ] && [ "$quant_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$stream_rc" -eq 0 ] && [ "$quant_rc" -eq 0 ] && [ "$step_rc" -eq 0 ] && [ "$quick_rc" -eq 0 ]

@@ -178,6 +178,46 @@ def test_self_draft_greedy_equals_plain_on_cuda(ckpt, tmp_path, monkeypatch, dra
     assert spec.token_ids == want
 
 
+
+@pytest.mark.parametrize("draft", ["self-q4", "self-q8"])
+def test_substitute_draft_with_overlap_equals_plain_on_cuda(ckpt, tmp_path, monkeypatch, draft):
+    """Issue 23 on the device: the substitute draft on the target's KV cache, with the next tree
+    grown during the streamed pass (on) and without (off), gives plain greedy's tokens; and after
+    every step of a decoder on it the shared cache holds exactly the target's committed K/V."""
+    from offload_engine import Engine
+    from offload_engine.speculation.decoder import SpeculativeDecoder
+    from sequoia_trees.sampling import SamplingParams
+    from tiny_models import greedy_past_eos
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    prompt = "The capital of France is"
+    want = greedy_past_eos(ckpt.folder, prompt, 32, device="cuda", dtype="float32")[0].token_ids
+    for overlap in ("on", "off"):
+        got = greedy_past_eos(ckpt.folder, prompt, 32, device="cuda", dtype="float32", tree="sequoia", draft=draft,
+                              draft_group_size=32, offload="disk", buffers=2, tree_budget=16, tree_depth=5,
+                              overlap=overlap)[0]
+        assert got.token_ids == want, overlap
+    engine = Engine.load(ckpt.folder, device="cuda", dtype="float32", draft=draft, draft_group_size=32, offload="disk",
+                         tree="sequoia", tree_budget=16, tree_depth=5, progress=False)
+    try:
+        ids = engine.tokenizer.encode(prompt)
+        dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(0.0),
+                                 torch.Generator().manual_seed(0), 256, overlap="eager")
+        assert dec.draft_cache.k is dec.target_cache.k
+        root = dec.first_token(dec.prefill(ids, 1024))
+        seq = list(ids)
+        for _ in range(8):
+            step = dec.step(root)
+            seq += [root] + step.tokens[:-1]
+            root = step.tokens[-1]
+            n = len(seq)
+            assert dec.target_cache.length == n
+            fresh = engine.model.new_cache(n)
+            engine.model.forward(torch.tensor(seq, device=CUDA), torch.arange(n, device=CUDA), fresh)
+            torch.testing.assert_close(dec.target_cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-3, rtol=1e-2)
+            torch.testing.assert_close(dec.target_cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-3, rtol=1e-2)
+    finally:
+        engine.close()
+
 # ---- the speculation step on the device (issue 17) -------------------------------------------
 
 def _tiny_pair_on(device, root):
