@@ -17,8 +17,10 @@
 # Run some stages alone, in the order named, with STAGES="quick tests" scripts/gpu_check.sh (a
 # stage that needs the folders makes them first). Results go to $OUT
 # (default ./gpu_check_out); the folders to $WORK (default /tmp/sequoia_gpu_check, about 30 GB).
-# Python: the machine's python3 when it has CUDA torch (the repo on PYTHONPATH, nothing installed);
-# otherwise a venv of its own, set up only when a package index is reachable.
+# Python: the machine's python3 when it has CUDA torch (the repo on PYTHONPATH), with any wheels
+# found in .whl/ installed beside it (a machine without the `gguf` package: `pip download --no-deps
+# -d .whl gguf` where an index is reachable, and carry .whl); otherwise a venv of its own, set up
+# only when a package index is reachable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
@@ -43,7 +45,11 @@ fi
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     PY=python3
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    echo "using $(command -v python3) (CUDA torch already installed); nothing installed"
+    echo "using $(command -v python3) (CUDA torch already installed)"
+    if compgen -G ".whl/*.whl" >/dev/null; then  # wheels carried in for what that python3 lacks (gguf)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+            && export PYTHONPATH="$PYTHONPATH:$WORK/site" && echo "installed into $WORK/site: $(ls .whl)"
+    fi
 elif python3 -m pip download --no-deps -q -d "$WORK/probe" pip >/dev/null 2>&1; then
     echo "no CUDA torch in python3; a package index is reachable: setting up .venv-gpu"
     timeout 420 bash scripts/setup_env.sh .venv-gpu > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 2; }
@@ -53,7 +59,7 @@ else
 fi
 $PY - <<'EOF' 2>&1 | tee "$OUT/torch.txt" || exit 2
 import importlib, torch
-missing = [m for m in ("safetensors", "tokenizers", "jinja2", "tqdm", "psutil", "scipy", "transformers", "pytest")
+missing = [m for m in ("safetensors", "tokenizers", "jinja2", "tqdm", "psutil", "scipy", "transformers", "pytest", "gguf")
            if importlib.util.find_spec(m) is None]
 assert not missing, f"missing Python packages: {', '.join(missing)}"
 assert torch.cuda.is_available(), "torch sees no GPU"

@@ -32,7 +32,7 @@ def _on_cuda(outs):
     ("ram", 1, 0, 4), ("ram", 2, 0, 4), ("ram", 3, 0, 4), ("disk", 2, 0, 0), ("disk", 3, 0, 0), ("auto", 2, 1, 2)])
 def test_streamed_equals_resident_on_cuda(ckpt, tmp_path, dtype, offload, buffers, resident, ram_layers):
     reference = Transformer.from_checkpoint(ckpt, dtype, CUDA)
-    plan = plan_for(ckpt, offload, buffers, resident, ram_layers)
+    plan = plan_for(ckpt, offload, buffers, resident, ram_layers, dtype)  # (its bytes per pass are dtype's)
     model = load_target(ckpt, dtype, CUDA, plan, OffloadOptions(offload, buffers=buffers, store_root=tmp_path),
                         progress=False)
     ex = model.layers
@@ -62,11 +62,11 @@ def test_slow_copies_and_slow_compute_still_give_equal_logits(ckpt, tmp_path, mo
                                     ckpt.config.vocab_size, device=CUDA))
     real_fill, real_layer = streamer.LayerExecutor._fill, model_mod.decoder_layer
 
-    def slow_fill(self, layer, b, staged, n):
+    def slow_fill(self, layer, b, *args):
         self.copy_stream.wait_event(self.free_events[b])
         with torch.cuda.stream(self.copy_stream):
             torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the copy
-        return real_fill(self, layer, b, staged, n)
+        return real_fill(self, layer, b, *args)
 
     def slow_layer(*args, **kwargs):
         out = real_layer(*args, **kwargs)

@@ -103,15 +103,16 @@ def _reference(folder) -> Transformer:
 
 
 def _passes(model: Transformer) -> list[torch.Tensor]:
-    """Logits of a prefill (12 tokens), a decode step, and a tree pass of 5 nodes (two branches)."""
+    """Logits of a prefill (12 tokens), a decode step, and a tree pass of 5 nodes (two branches),
+    with every input on the model's device."""
     g = torch.Generator().manual_seed(0)
-    vocab = model.cfg.vocab_size
+    vocab, dev = model.cfg.vocab_size, model.device
     cache = model.new_cache(64)
     out = []
     ids = torch.randint(0, vocab, (12,), generator=g)
-    out.append(model.forward(ids, torch.arange(12), cache))
+    out.append(model.forward(ids.to(dev), torch.arange(12, device=dev), cache))
     cache.advance(12)
-    out.append(model.forward(torch.tensor([7]), torch.tensor([12]), cache))
+    out.append(model.forward(torch.tensor([7], device=dev), torch.tensor([12], device=dev), cache))
     cache.advance(1)
     tree = torch.randint(0, vocab, (5,), generator=g)
     depth = torch.tensor([0, 1, 1, 2, 2])
@@ -123,7 +124,7 @@ def _passes(model: Transformer) -> list[torch.Tensor]:
         while j >= 0:
             mask[i, 13 + j] = True
             j = parent[j]
-    out.append(model.forward(tree, 13 + depth, cache, mask=mask))
+    out.append(model.forward(tree.to(dev), (13 + depth).to(dev), cache, mask=mask.to(dev)))
     return out
 
 

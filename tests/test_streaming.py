@@ -63,13 +63,13 @@ def run_script(model, vocab, device=torch.device("cpu")):
     return outs
 
 
-def plan_for(ckpt, offload, buffers, resident=0, ram_layers=0):
-    """A plan with exactly `resident` device layers and `ram_layers` RAM layers (rest on disk)."""
+def plan_for(ckpt, offload, buffers, resident=0, ram_layers=0, dtype=torch.float32):
+    """A plan in `dtype` with exactly `resident` device layers and `ram_layers` RAM layers (rest on disk)."""
     cfg = ckpt.config
-    layer = LayerLayout.for_config(cfg, torch.float32).block_bytes
-    fixed = sum(fixed_parts(cfg, torch.float32, 256, BATCH).values())
+    layer = LayerLayout.for_config(cfg, dtype).block_bytes
+    fixed = sum(fixed_parts(cfg, dtype, 256, BATCH).values())
     vram = fixed + (buffers + resident) * layer + layer // 2 if offload != "none" else 2**30
-    return make_plan(cfg, torch.float32, offload=offload, vram_bytes=vram, ram_bytes=ram_layers * layer,
+    return make_plan(cfg, dtype, offload=offload, vram_bytes=vram, ram_bytes=ram_layers * layer,
                      buffers=buffers, max_context=256, max_batch_tokens=BATCH)
 
 
