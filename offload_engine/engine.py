@@ -536,7 +536,8 @@ class Engine:
                  messages: list[dict] | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: list[str] | str | None = None, on_token: OnToken | None = None,
-                 cancel: threading.Event | None = None, suffix_key: object = None) -> GenerationResult:
+                 cancel: threading.Event | None = None, suffix_key: object = None,
+                 plain: bool = False) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (speculating when a draft is loaded).
         on_token(token_id, text) is called for every new token with the text it makes safe to
         show (possibly ''); the result's text excludes a matched stop string. The K/V of the
@@ -544,7 +545,9 @@ class Engine:
         Setting `cancel` from another thread stops the generation at the next layer boundary
         with GenerationCancelled. With suffix drafts, `suffix_key` names the store of earlier
         requests this one drafts from and adds to (the server keeps one per API key, or per
-        conversation without keys, so that one client's text does not speed up another's)."""
+        conversation without keys, so that one client's text does not speed up another's).
+        `plain`: decode without the draft or suffix drafts (plain streamed decoding of this
+        engine's target, the yardstick a speed-up is measured against; `demo` uses it)."""
         try:
             params = SamplingParams(temperature, top_p, top_k)
         except ValueError as e:
@@ -557,25 +560,26 @@ class Engine:
             raise UserError(f"seed must be in 0..2**63-1, got {seed}")
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         if cancel is None:
-            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key)
+            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key, plain)
         models = [m for m in (self.model, self.draft) if m is not None]
         for m in models:
             m.interrupt = cancel
         try:
-            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key)
+            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key, plain)
         finally:
             for m in models:
                 m.interrupt = None
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                 generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None,
-                suffix_key: object = None) -> GenerationResult:
+                suffix_key: object = None, plain: bool = False) -> GenerationResult:
         """One loop for every mode: plain decoding is a one-node tree without a draft."""
         budget = min(max_new_tokens, self.max_context - len(ids))
-        spec = self.tree if self.draft is not None else TreeSpec()
+        draft = None if plain else self.draft
+        spec = self.tree if draft is not None else TreeSpec()
         source = "generic" if spec.acceptance == GENERIC_ACCEPTANCE else "given"
         auto = planner = None
-        if self.auto_plans and self.draft is not None:
+        if self.auto_plans and draft is not None:
             auto, planner = self._planner(params)
             # (the first token comes from the prefill: the steps make the rest)
             spec, source = planner.begin(max(1, budget - 1)), auto.source
@@ -588,16 +592,17 @@ class Engine:
         # its cache is kept and catches up before its next tree)
         adaptive = planner is not None and planner.adapt and planner.max_nodes > 1
         drafter = gate = None
-        if self.suffix_store is not None:
+        if self.suffix_store is not None and not plain:
             drafter = SuffixDrafter(ids, self.suffix_store.snapshot(suffix_key), MAX_PATTERN + 1)
             if self.suffix_gated:  # (per request temperature, as the planners are)
                 from .planning.adaptive import SuffixGate
                 gate = self.gates.setdefault(round(params.temperature, 3), SuffixGate())
                 gate_start = (gate.runs, gate.skips)
         choose = planner.choose_arm if planner is not None and drafter is not None else gate.choose if gate else None
-        decoder = SpeculativeDecoder(self.model, self.draft, spec, params, generator, len(ids) + budget,
+        decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
-                                     timed=adaptive, suffix=drafter, choose=choose, overlap=self.overlap)
+                                     timed=adaptive, suffix=drafter, choose=choose,
+                                     overlap=self.overlap and draft is not None)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -612,13 +617,18 @@ class Engine:
         pending = [token]
         split = dict.fromkeys(("draft_before_pass", "draft_overlapped", "target_pass", "rest"), 0.0)
         ahead_levels = 0
+        step_seconds: list[float] = []  # each step's wall time, its text's output included
         while True:
             t_emit = time.perf_counter()
             done, eos = self._emit(pending, new, stream, budget, on_token)
             t_emit = time.perf_counter() - t_emit  # text out: part of a step's cost as the user sees it
+            if step_seconds:
+                step_seconds[-1] += t_emit
             if done:
                 break
+            t_step = time.perf_counter()
             step = decoder.step(new[-1])
+            step_seconds.append(time.perf_counter() - t_step)
             steps += 1
             lt = decoder.last_times
             for key, value in (("draft_before_pass", lt.draft), ("draft_overlapped", lt.ahead),
@@ -653,9 +663,10 @@ class Engine:
                  "prefilled_tokens": len(ids) - decoder.reused_tokens, "new_tokens": len(new), "seconds": seconds,
                  "prefill_seconds": prefill_s, "tokens_per_second": len(new) / seconds,
                  "decode_tokens_per_second": (len(new) - 1) / max(seconds - prefill_s, 1e-9),
-                 "finish_reason": finish, "tree": _tree_name(spec, self.draft, drafter),
+                 "finish_reason": finish, "tree": _tree_name(spec, draft, drafter),
                  "tree_budget": spec.max_nodes, "tree_depth": spec.depth, "suffix": suffix_stats,
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
+                 "step_seconds": step_seconds,
                  "acceptance_by_rank": by_rank, "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
                  "auto": None if auto is None else _auto_stats(auto, planner),

@@ -189,3 +189,29 @@ def test_eos_inside_an_accepted_path_and_stop_strings_end_generation_as_in_plain
     c = base.generate(PROMPT, max_new_tokens=40, stop=[stop])
     d = spec.generate(PROMPT, max_new_tokens=40, stop=[stop], on_token=lambda t, s: pieces.append(s))
     assert c.text == d.text == text[: text.find(stop)] == "".join(pieces)
+
+
+@pytest.mark.parametrize("draft", ["partial", "self-q8"])
+def test_plain_generation_on_an_engine_with_a_draft(pair, partial, plain, tmp_path, monkeypatch, draft):
+    """generate(plain=True), the demo's yardstick: the draft sits out (one token a step, every
+    step timed), the tokens are plain greedy's, and a speculative generation after it (the draft's
+    cache, or the shared one, not fed by the plain one) is still plain greedy too."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = Engine.load(pair[0], draft=partial if draft == "partial" else draft, draft_group_size=32,
+                         tree="sequoia", tree_budget=16, tree_depth=5, offload="disk", progress=False)
+    engine.eos_token_ids = frozenset()
+    try:
+        first = engine.generate(PROMPT, max_new_tokens=40)
+        again = engine.generate(PROMPT, max_new_tokens=40, plain=True)
+        assert again.token_ids == first.token_ids == plain
+        s = again.stats
+        assert s["tree"] == "none" and s["target_steps"] == 39 and s["tokens_per_step"] == 1.0
+        assert s["cached_prompt_tokens"] > 0  # the conversation's K/V reused from the first
+        assert len(s["step_seconds"]) == 39 and all(t > 0 for t in s["step_seconds"])
+        assert s["overlap"] is None and s["auto"] is None
+        longer = engine.generate(PROMPT + " Paris", max_new_tokens=30)
+        want = greedy_past_eos(pair[0], PROMPT + " Paris", 30)[0].token_ids
+        assert longer.token_ids == want and longer.stats["tokens_per_step"] > 1.5
+        assert len(first.stats["step_seconds"]) == first.stats["target_steps"]
+    finally:
+        engine.close()

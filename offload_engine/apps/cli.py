@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ..errors import UserError
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 DEMO_TOKENS = 128  # the demo's max_new_tokens (its tree and draft are chosen for answers this long)
+DEMO_PLAIN_STEPS = 8  # plain steps timed after the demo's answer: the yardstick of its speed-up
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -303,7 +305,9 @@ def _printer(token_id: int, text: str) -> None:
         print(text, end="", flush=True)
 
 
-def _stats_line(stats: dict) -> str:
+def _stats_line(stats: dict, yardstick: tuple[float, str] | None = None) -> str:
+    """The one-line summary of a generation; `yardstick` (plain decoding's s/token, how it was
+    measured) replaces the plain steps the run itself measured in the speed-up it prints."""
     cached = stats["cached_prompt_tokens"]
     reused = f" ({cached} of them cached from the previous turn)" if cached else ""
     line = (f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s; "
@@ -315,7 +319,7 @@ def _stats_line(stats: dict) -> str:
                  else f", {stats['tokens_per_step']:.2f} tokens/step (suffix trees)" if stats["tree"] == "suffix"
                  else f", {stats['tokens_per_step']:.2f} tokens/step ({stats['tree']} tree, {stats['tree_budget']} nodes)")
     elif stats["target_steps"]:
-        line += f", {stats['tokens_per_step']:.2f} tokens/step, " + _auto_summary(stats, auto)
+        line += f", {stats['tokens_per_step']:.2f} tokens/step, " + _auto_summary(stats, auto, yardstick)
     sfx = stats.get("suffix")
     if sfx:
         line += (f"; suffix drafts: {sfx['accepted_tokens']} tokens accepted, matched {sfx['matched_steps']} of "
@@ -328,7 +332,7 @@ def _stats_line(stats: dict) -> str:
     return line + f"; finish: {stats['finish_reason']}]"
 
 
-def _auto_summary(stats: dict, auto: dict) -> str:
+def _auto_summary(stats: dict, auto: dict, yardstick: tuple[float, str] | None = None) -> str:
     """--tree auto: the trees used, measured s/token against the prediction at the start, and the
     speed-up over plain streamed decoding as measured (plain's time as this run's steps measured
     the target) beside the one predicted at the start."""
@@ -343,7 +347,9 @@ def _auto_summary(stats: dict, auto: dict) -> str:
     # 2x within a minute is a noisy yardstick, and the line says so)
     plain, how = auto["measured_plain_seconds_per_token"], (f"median of {k} plain steps measured here" if k > 1
                                                              else "1 plain step measured here")
-    if plain is None:
+    if yardstick is not None:
+        plain, how = yardstick
+    elif plain is None:
         plain, how = auto["adapted_plain_seconds_per_token"], "predicted from this run's steps"
     return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "
             f"{auto['predicted_speedup']:.2f}x predicted at the start)")
@@ -358,9 +364,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(_draft_line(engine, 0.0))
     print(_model_line(engine))
     print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
-    result = engine.generate(messages=[{"role": "user", "content": DEMO_PROMPT}], max_new_tokens=DEMO_TOKENS,
-                             on_token=_printer)
-    print("\n" + _stats_line(result.stats))
+    messages = [{"role": "user", "content": DEMO_PROMPT}]
+    result = engine.generate(messages=messages, max_new_tokens=DEMO_TOKENS, on_token=_printer)
+    print()
+    yardstick = None
+    if result.stats.get("auto") and result.stats["target_steps"]:
+        # the speed-up's yardstick: plain streamed decoding of the same conversation, timed now
+        # (its prompt's K/V are reused), the median of DEMO_PLAIN_STEPS steps rather than the one
+        # or two plain steps a short answer leaves room for
+        print(f"(timing {DEMO_PLAIN_STEPS} steps of plain streamed decoding of the same prompt for the comparison)",
+              file=sys.stderr, flush=True)
+        plain = engine.generate(messages=messages, max_new_tokens=DEMO_PLAIN_STEPS + 1, plain=True)
+        times = plain.stats["step_seconds"]
+        if times:
+            yardstick = (statistics.median(times), f"median of {len(times)} plain steps timed after the answer")
+    print(_stats_line(result.stats, yardstick))
     return 0
 
 
