@@ -264,6 +264,10 @@ class Engine:
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
         self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
+        # the planners' first plain checks (PLAIN_CHECK_SAMPLES plain steps however fast the tree is
+        # predicted: the yardstick of the stats line's speed-up); off where the caller times plain
+        # decoding itself (`demo`, after its answer)
+        self.first_plain_checks = True
         self.overlap = False  # the draft grows the next tree during the pass (Engine.load overlap=)
         self.suffix_gated = False  # --draft suffix alone, --tree auto: a `SuffixGate` per temperature
         self.gates: dict = {}
@@ -689,6 +693,7 @@ class Engine:
             self.planners[key] = OnlinePlanner(plan.vector, plan.timings, plan.candidates, self.adapt, plan.choice)
         planner = self.planners[key]
         planner.adapt = self.adapt
+        planner.first_checks = self.first_plain_checks
         return plan, planner
 
     def _emitted(self, tokens: list[int], done: int, budget: int) -> int:

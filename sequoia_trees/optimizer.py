@@ -374,11 +374,12 @@ class Candidates:
         self._set_rows(rows)
         return self
 
-    def best(self, timings: Timings, allow_plain: bool = True, length: int | None = None) -> Choice:
+    def best(self, timings: Timings, allow_plain: bool = True, length: int | None = None,
+             max_budget: int | None = None) -> Choice:
         """The candidate with the most expected tokens per second (ties: the one found first,
-        the smaller tree), among budgets up to the widest measured pass, for a generation of
-        `length` tokens (None: a long one; see the module's docstring)."""
-        limit = timings.target_tokens[-1]
+        the smaller tree), among budgets up to the widest measured pass (and `max_budget`), for a
+        generation of `length` tokens (None: a long one; see the module's docstring)."""
+        limit = timings.target_tokens[-1] if max_budget is None else min(timings.target_tokens[-1], max_budget)
         best_key, best_rate = ((1, 1), 1.0 / timings.plain()) if allow_plain else (None, -1.0)
         for (n, d, _, widths), value in zip(self.items, self.tokens_for(length)):
             if n > limit:

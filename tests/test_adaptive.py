@@ -213,6 +213,15 @@ def test_a_plain_check_finds_plain_decoding_faster_than_the_profile_said(monkeyp
     assert adaptive.PLAIN_CHECK_SAMPLES == 3 and adaptive.PLAIN_CHECK_STEPS == 1
     assert [k for k, u in enumerate(used) if u == (1, 1)] == [2, 5, 8], used
     assert planner.log.plain_steps == 3 and planner.timing.plain_samples() == 3
+    # the first checks off (`demo` times plain decoding after its answer): no plain step at all,
+    # while a tree predicted less than 2x faster is still checked (the first test above's case)
+    planner = _planner(TRUE, fast)
+    planner.first_checks = False
+    assert (1, 1) not in _run(planner, World(TRUE, fast, seed=7), 120)
+    planner = _planner(TRUE, base)
+    planner.first_checks = False
+    used = _run(planner, World(TRUE, truth, seed=7), 60 + adaptive.PLAIN_CHECK_EVERY)
+    assert (1, 1) in used and used[-1] == (1, 1)
 
 
 def test_a_runs_plain_time_is_the_median_of_its_plain_steps():
@@ -504,3 +513,26 @@ def test_an_answer_that_ends_on_its_own_is_remembered_by_its_planner(pair, tmp_p
         ended = eng.generate("The capital of France is", max_new_tokens=24)
         assert ended.finish_reason == "stop" and ended.token_ids[-1] == end
         assert list(eng.planners[0.0].ended) == [len(ended.token_ids) - 1]
+
+
+def test_a_partial_refill_never_lets_a_stale_wide_tree_win():
+    """A re-plan refills the candidates up to twice the current budget (the cost bound); wider
+    ones keep the values of the vector they were filled with. An optimistic prior's wide trees,
+    never refilled, were compared with the refilled small ones and won (the demo, 2026-12-04:
+    (48, 24) at the prior's 17.5 tokens a step against (16, 16)'s refilled 8.8, and its steps
+    cost twice as much). The planner now chooses only among candidates valued under the current
+    vector; the unrestricted table would have taken a stale one here."""
+    optimistic = AcceptanceVector((0.9, 0.05, 0.03))
+    base = _flat(draft_s=0.02)
+    planner = _planner(optimistic, base)  # starts on (96, 12); the truth's best is about (32, 5)
+    world = World(TRUE, base, seed=3)
+    spec, stale_would_win = planner.begin(), 0
+    for k in range(120):
+        result, times = world.step(spec)
+        spec = planner.record(spec, result, times, k == 0) or spec
+        fresh = planner._fresh_up_to
+        if fresh is not None:
+            assert planner.current.budget <= fresh, (planner.current, fresh)
+            unrestricted = planner.candidates.best(planner.timing.timings(), length=planner.planning_length())
+            stale_would_win += unrestricted.budget > fresh
+    assert stale_would_win > 0  # (else this test would not tell the fix from its absence)

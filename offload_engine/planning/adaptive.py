@@ -39,7 +39,9 @@ the tree is predicted, so that a run's speed-up over plain decoding always stand
 it measured itself (the demo's line, 2026-12-03, had stood on the profile's plain time: 2.5x
 shown, 1.7-2.1x against plain decoding measured on its own), and on the median of several spread
 over the run (one plain step of the demo took 0.49 s where its neighbours' took 0.13-0.15: a disk
-stall, and 5.8x printed); they cost a few plain steps per planner.
+stall, and 5.8x printed); they cost a few plain steps per planner. `demo` turns them off
+(`first_checks`) and times plain decoding after its answer instead: in its one short answer the
+checks were 2 of 7 steps, and the median of 8 steps timed apart is the steadier yardstick.
 
 With suffix drafts grafted on (`--draft X+suffix`), each step also chooses, before it runs, among
 the planner's tree alone ("model": plain decoding when that is the choice), the suffix proposal
@@ -437,6 +439,9 @@ class OnlinePlanner:
         self.max_depth = candidates.max_depth
         self.budgets = sorted({n for n, *_ in candidates.items})
         self._table_vector = vector  # the vector the candidates were filled with
+        # budgets above this one still hold values of an older vector (a refill covers the
+        # budgets up to twice the current one): not compared with the refilled ones (None: none)
+        self._fresh_up_to: int | None = None
         self.current = start if start is not None else candidates.best(base)
         self.since_replan = 0
         self.plain_run = 0
@@ -445,6 +450,7 @@ class OnlinePlanner:
         self._probe_choice = self.current
         self.tree_run = 0  # tree steps since the last plain check
         self.checking = 0  # plain steps left in the plain check under way
+        self.first_checks = True  # the first PLAIN_CHECK_SAMPLES plain steps, whatever the prediction
         self._seen: set = set()  # tree shapes this planner has run
         self.decode_seconds = 0.0  # measured step time, all generations
         self.replan_seconds = 0.0  # re-planning time, all generations
@@ -507,7 +513,10 @@ class OnlinePlanner:
         """The best candidate for the tokens left under `timings`, taken when it is predicted
         HYSTERESIS faster than the current choice, or when it is plain decoding predicted faster
         at all (else the current one, evaluated afresh). True when the tree changed."""
-        best = self.candidates.best(timings, length=self.planning_length())
+        # (only candidates valued under the current vector: a wide tree left with the prior's
+        # 17.5 tokens a step beat the refilled (16, 16)'s 8.8 in the demo, and its steps cost
+        # twice as much for 19-24 tokens)
+        best = self.candidates.best(timings, length=self.planning_length(), max_budget=self._fresh_up_to)
         now = self._evaluate(self.current, timings)
         switched = False
         # (a tree predicted to lose to plain decoding is not kept for the margin's sake: a useless
@@ -653,10 +662,12 @@ class OnlinePlanner:
             self.probe_wait = min(2 * self.probe_wait, PROBE_MAX) if self.current.budget == 1 else PROBE_EVERY
         if self.current.budget == 1 and self.plain_run >= min(self.probe_wait, PROBE_MAX):
             self.plain_run = 0
-            probe = self.candidates.best(self.timing.timings(), allow_plain=False, length=self.planning_length())
+            probe = self.candidates.best(self.timing.timings(), allow_plain=False, length=self.planning_length(),
+                                         max_budget=self._fresh_up_to)
             if probe.budget > 1:
                 self.probing, self._probe_choice = True, probe
-        first = self.timing.plain_samples() < PLAIN_CHECK_SAMPLES  # (the first checks run whatever the prediction)
+        # (the first checks run whatever the prediction, unless the caller times plain decoding itself)
+        first = self.first_checks and self.timing.plain_samples() < PLAIN_CHECK_SAMPLES
         if (self.current.budget > 1 and not self.probing and not self.checking
                 and self.tree_run >= (PLAIN_CHECK_FIRST if first else PLAIN_CHECK_EVERY)):
             self.tree_run = 0
@@ -696,6 +707,7 @@ class OnlinePlanner:
             # the candidates above the refill keep their trees and values from the last fill
             self.candidates = refilled.merged(self.candidates, above=max(ns))
             self._table_vector = vector
+            self._fresh_up_to = max(ns) if max(ns) < max(self.budgets) else None
         self.log.switches += self._rechoose(self.timing.timings())
         spent = time.perf_counter() - t0
         self.log.replans += 1
