@@ -630,11 +630,10 @@ class Engine:
                 step_seconds[-1] += t_emit
             if done:
                 break
-            t_step = time.perf_counter()
             step = decoder.step(new[-1])
-            step_seconds.append(time.perf_counter() - t_step)
             steps += 1
             lt = decoder.last_times
+            step_seconds.append(lt.total)
             for key, value in (("draft_before_pass", lt.draft), ("draft_overlapped", lt.ahead),
                                ("target_pass", lt.target - lt.ahead), ("rest", lt.rest)):
                 split[key] += value
