@@ -48,6 +48,7 @@ VOCABS = (320, 128256)
 TREES = ((16, 6), (64, 10), (128, 12), (256, 16), (512, 20))
 TEMPERATURES = (0.0, 0.6)
 PREFIX, STEPS = 128, 3
+SHAPE_VECTOR = (0.6, 0.2, 0.1, 0.05, 0.03, 0.02)  # the acceptance vector that shapes the measured trees
 # --smoke: the same script on the CPU with tiny shapes (tests/test_gpu_step.py runs it, so that a
 # slip in it shows here, not on a lent GPU's clock)
 SMOKE = dict(target=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
@@ -167,20 +168,34 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def warm_decoder(target, draft, spec, temperature: float, seed: int, capacity: int, warm_steps: int, **kw):
+    """(a decoder over a random PREFIX-token prompt after `warm_steps` steps, the next root):
+    graphs captured, allocations made."""
+    import torch
+    from offload_engine.speculation.decoder import SpeculativeDecoder
+    from sequoia_trees.sampling import SamplingParams
+    g = torch.Generator().manual_seed(seed)
+    dec = SpeculativeDecoder(target, draft, spec, SamplingParams(temperature), g, capacity, **kw)
+    ids = torch.randint(0, target.cfg.vocab_size, (PREFIX,), generator=g).tolist()
+    root = dec.first_token(dec.prefill(ids, 1024))
+    for _ in range(warm_steps):
+        root = dec.step(root).tokens[-1]
+    return dec, root
+
+
+def profiler():
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else []))
+
+
 def measure_tree(target, draft, budget: int, depth: int, temperature: float, draft_graphs: str = "auto",
                  overlap: bool = False) -> dict:
     import torch
-    from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
+    from offload_engine.speculation.decoder import TreeSpec
     from sequoia_trees.acceptance import AcceptanceVector
-    from sequoia_trees.sampling import SamplingParams
-    spec = TreeSpec("sequoia", budget, depth, acceptance=AcceptanceVector((0.6, 0.2, 0.1, 0.05, 0.03, 0.02)))
-    g = torch.Generator().manual_seed(0)
-    dec = SpeculativeDecoder(target, draft, spec, SamplingParams(temperature), g,
-                             PREFIX + (2 * STEPS + 4) * (depth + 1) + 8, draft_graphs=draft_graphs, overlap=overlap)
-    ids = torch.randint(0, target.cfg.vocab_size, (PREFIX,), generator=g).tolist()
-    root = dec.first_token(dec.prefill(ids, 1024))
-    for _ in range(2):  # warm-up: graphs captured, allocations made
-        root = dec.step(root).tokens[-1]
+    spec = TreeSpec("sequoia", budget, depth, acceptance=AcceptanceVector(SHAPE_VECTOR))
+    dec, root = warm_decoder(target, draft, spec, temperature, 0, PREFIX + (2 * STEPS + 4) * (depth + 1) + 8, 2,
+                             draft_graphs=draft_graphs, overlap=overlap)
     # STEPS steps back to back, as a generation runs them: the copies of the next pass's first
     # layers (the loader's prefetch) run under this step's tail and the next step's draft
     steps, before_pass, ahead = [], [], []
@@ -239,19 +254,9 @@ def measure_tree(target, draft, budget: int, depth: int, temperature: float, dra
 
 
 def profile_step(target, draft, out: Path, vocab: int) -> str:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
-    from sequoia_trees.sampling import SamplingParams
-    spec = TreeSpec("sequoia", 128, 12)
-    g = torch.Generator().manual_seed(1)
-    dec = SpeculativeDecoder(target, draft, spec, SamplingParams(0.6), g, PREFIX + 64)
-    ids = torch.randint(0, target.cfg.vocab_size, (PREFIX,), generator=g).tolist()
-    root = dec.first_token(dec.prefill(ids, 1024))
-    for _ in range(2):
-        root = dec.step(root).tokens[-1]
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with profile(activities=activities) as prof:
+    from offload_engine.speculation.decoder import TreeSpec
+    dec, root = warm_decoder(target, draft, TreeSpec("sequoia", 128, 12), 0.6, 1, PREFIX + 64, 2)
+    with profiler() as prof:
         dec.step(root)
         sync()
     by = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
@@ -262,32 +267,23 @@ def profile_step(target, draft, out: Path, vocab: int) -> str:
     return text
 
 
-
 def trace_steps(target, draft, out: Path, vocab: int) -> None:
-    """Chrome traces (torch.profiler, CPU and CUDA) of one (128, 12) greedy step, without and with
+    """Chrome traces (torch.profiler, CPU and CUDA) of two (128, 12) greedy steps, without and with
     the next tree grown during the pass: where the copies of the streamed layers fall against the
     draft's kernels (`--trace`; open them in chrome://tracing or Perfetto)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
+    from offload_engine.speculation.decoder import TreeSpec
     from sequoia_trees.acceptance import AcceptanceVector
-    from sequoia_trees.sampling import SamplingParams
-    spec = TreeSpec("sequoia", 128, 12, acceptance=AcceptanceVector((0.6, 0.2, 0.1, 0.05, 0.03, 0.02)))
+    spec = TreeSpec("sequoia", 128, 12, acceptance=AcceptanceVector(SHAPE_VECTOR))
     for overlap in (False, True):
-        g = torch.Generator().manual_seed(1)
-        dec = SpeculativeDecoder(target, draft, spec, SamplingParams(0.0), g, PREFIX + 96, overlap=overlap)
-        ids = torch.randint(0, target.cfg.vocab_size, (PREFIX,), generator=g).tolist()
-        root = dec.first_token(dec.prefill(ids, 1024))
-        for _ in range(3):
-            root = dec.step(root).tokens[-1]
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-        with profile(activities=activities) as prof:
+        dec, root = warm_decoder(target, draft, spec, 0.0, 1, PREFIX + 96, 3, overlap=overlap)
+        with profiler() as prof:
             for _ in range(2):
                 root = dec.step(root).tokens[-1]
             sync()
         path = out / f"trace_step_v{vocab}_{'overlap' if overlap else 'default'}.json"
         prof.export_chrome_trace(str(path))
         print(f"trace: {path} ({path.stat().st_size >> 10} KiB)", flush=True)
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
