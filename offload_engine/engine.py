@@ -261,6 +261,8 @@ class Engine:
         self.stored_acceptance: dict = {}
         self.auto_plans: dict = {}  # --tree auto: temperature -> auto_tree.AutoPlan
         self.draft_choice = None  # --draft auto: planning.draft_choice.DraftChoice
+        # --tree auto with a cached profile: its readings timed again at load (profiler.SpeedCheck)
+        self.speed_check = None
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
         self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
@@ -367,6 +369,7 @@ class Engine:
                     if again or choice.chosen == "none":
                         raise
                     # the cached choice no longer loads (a folder gone, less memory): choose again
+            choice.refresh(engine)
             engine.draft_choice = choice
             return engine
         draft, use_suffix = split_draft(draft)
@@ -447,6 +450,16 @@ class Engine:
         prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
             print(f"sequoia-offload: {'measured' if fresh else 'using'} the machine profile {path}", file=sys.stderr)
+        # a cached profile of this machine: its cheapest readings timed again, and the parts the
+        # machine's speed has moved rescaled to now (`profiler.speed_now`; a synthetic profile,
+        # of another "machine", has nothing to compare with)
+        self.speed_check = None
+        if not fresh and prof.machine == profiler.machine_name(self.model.device):
+            self.speed_check = profiler.speed_now(self, prof)
+            if self.speed_check.moved:
+                prof = profiler.rescaled(prof, self.speed_check)
+            if progress:
+                print(f"sequoia-offload: {self.speed_check.describe()}", file=sys.stderr)
         # (the steps make the tokens after the prefill's first)
         self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth,
                                               None if length is None else max(1, length - 1))
@@ -672,7 +685,7 @@ class Engine:
                  "step_seconds": step_seconds,
                  "acceptance_by_rank": by_rank, "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
-                 "auto": None if auto is None else _auto_stats(auto, planner),
+                 "auto": None if auto is None else _auto_stats(auto, planner, self.speed_check),
                  # seconds of the steps' parts (the target's pass without the draft work done in it)
                  "step_split": split,
                  "overlap": None if not decoder.overlap else {
@@ -725,10 +738,11 @@ def _tree_name(spec: TreeSpec, draft, drafter) -> str:
     return "suffix" if draft is None else f"{spec.kind}+suffix"
 
 
-def _auto_stats(auto, planner) -> dict:
+def _auto_stats(auto, planner, check=None) -> dict:
     """`stats["auto"]`: the tree the generation started with and what was predicted for it then
     (from the profile, or from what earlier generations taught the planner), the trees its steps
-    used, the per-step forecast, and plain decoding's predicted time as the steps measured it."""
+    used, the per-step forecast, plain decoding's predicted time as the steps measured it, and
+    the load's speed check of the profile (`profiler.SpeedCheck`; None: a profile measured then)."""
     start, log, best = planner.log.start, planner.log, auto.best_tree
     return {"temperature": auto.temperature, "budget": start.budget, "depth": start.depth, "adapt": planner.adapt,
             "predicted_tokens_per_step": start.tokens_per_step,
@@ -736,5 +750,6 @@ def _auto_stats(auto, planner) -> dict:
             "predicted_plain_seconds_per_token": planner.log.start_plain_seconds,
             "predicted_speedup": planner.log.start_plain_seconds / start.seconds_per_token,
             "best_tree": [best.budget, best.depth], "best_tree_predicted_seconds_per_token": best.seconds_per_token,
-            "adapted_plain_seconds_per_token": planner.predicted_plain(), **log.as_dict()}
+            "adapted_plain_seconds_per_token": planner.predicted_plain(),
+            "speed_check": None if check is None else check.as_dict(), **log.as_dict()}
 

@@ -3,6 +3,7 @@ plan from a (fake, fast) profile and still decodes exactly; a real profile is me
 and reused."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -119,7 +120,8 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
     # no vector for this pair yet: the generic one shaped the timed trees, and the profile says so
     assert prof.fit_vector == prof.fit_vector_greedy == () and "shaped by a generic acceptance vector" in printed
     assert main(args) == 0
-    assert "cached:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "cached:" in printed and "speed check against the profile of " in printed
     good = json.loads(out.read_text())
     old = {k: v for k, v in good.items() if not k.startswith(("fit_", "plain_step", "draft_factor", "step_per_node"))}
     out.write_text(json.dumps(old))  # a profile written before the step model loads, with the old model
@@ -237,8 +239,13 @@ def test_a_second_draft_on_the_same_target_and_plan_reuses_the_targets_part(pair
     assert main([*base, "--draft", "self-int4", "--draft-group-size", "32", "--out", str(tmp_path / "b.json")]) == 0
     second = load_measured(tmp_path / "b.json")
     assert second.draft_key != first.draft_key and second.fit_budgets
-    assert (second.target_tokens, second.target_pass_s, second.stream_gb_per_s) == \
-        (first.target_tokens, first.target_pass_s, first.stream_gb_per_s)
+    assert (second.target_tokens, second.stream_gb_per_s) == (first.target_tokens, first.stream_gb_per_s)
+    # the first's passes as they are, or all scaled by one factor: the one-token pass timed again
+    # now, where the machine's speed moved between the two profiles (`profiler.CHECK_TOLERANCE`)
+    ratios = [b / a for a, b in zip(first.target_pass_s, second.target_pass_s)]
+    assert max(ratios) - min(ratios) < 1e-9 and (ratios[0] == 1.0 or abs(ratios[0] - 1) > profiler.CHECK_TOLERANCE)
+    assert [b / a for a, b in zip(first.target_idle_s, second.target_idle_s) if a] == \
+        pytest.approx([ratios[0]] * sum(1 for a in first.target_idle_s if a))
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     measured = []
@@ -267,3 +274,49 @@ def test_the_machine_name_names_the_cpu_extensions_the_kernels_depend_on(monkeyp
     avx2, vnni = host("avx avx2 fma"), host("avx2 avx512f avx512_vnni")
     assert avx2.startswith("AMD EPYC x") and avx2.endswith("(avx2)")
     assert vnni.endswith("(avx2, avx512f, avx512_vnni)")
+
+
+def test_a_speed_check_rescales_both_parts_only_when_the_machine_moved():
+    """`profiler.rescaled`: the target's passes and waits by the check's target ratio, the draft's
+    levels (greedy and sampled) by its draft ratio, both once either ratio is past
+    CHECK_TOLERANCE; within it the profile stays as measured; a reading not taken leaves its part."""
+    class _E:
+        folder, target_fingerprint, draft_key = "t", "fp", "dk"
+    prof = replace(_fake_profile(_E(), pass_s=0.2, draft_s=0.05), target_idle_s=(0.02, 0.01, 0.0, 0.0))
+    check = profiler.SpeedCheck(target_now=0.1, target_then=0.2, draft_now=0.0525, draft_then=0.05)
+    assert check.moved and check.target == 0.5 and check.draft == pytest.approx(1.05)
+    now = profiler.rescaled(prof, check)
+    assert now.target_pass_s == pytest.approx([0.1] * 4) and now.target_idle_s == pytest.approx([0.01, 0.005, 0, 0])
+    assert now.draft_level_s == pytest.approx([0.0525] * 3) and now.draft_level_greedy_s == pytest.approx([0.0525] * 3)
+    assert (now.step_residual_s, now.plain_step_s, now.measured_at) == (prof.step_residual_s, prof.plain_step_s, "now")
+    quiet = profiler.SpeedCheck(target_now=0.19, target_then=0.2, draft_now=0.054, draft_then=0.05)
+    assert not quiet.moved and quiet.target is None and profiler.rescaled(prof, quiet) == prof
+    assert "within 10%" in quiet.describe() and "rescaled to now" in check.describe()
+    untimed = profiler.SpeedCheck(target_now=None, target_then=3.0, draft_now=0.1, draft_then=0.05)
+    scaled = profiler.rescaled(prof, untimed)
+    assert scaled.target_pass_s == prof.target_pass_s and scaled.draft_level_s == pytest.approx([0.1] * 3)
+
+
+def test_a_cached_profile_from_a_slower_spell_is_rescaled_to_now_at_load(pair, tmp_path, monkeypatch):
+    """A profile cached while the machine was 4x slower (its passes and levels scaled up here) is
+    timed again when `--tree auto` loads it: the check finds both parts well under the profile's,
+    the plan is made from the rescaled timings (back near the real profile's), the stats say so;
+    output stays exact. A profile measured at load is not checked."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _, first = greedy_past_eos(pair, "Hello", 4, draft="self-int8", tree="auto", offload="disk")
+    assert first.speed_check is None  # (measured at this load: nothing to check)
+    cached = next(p for p in (tmp_path / "cache" / "sequoia-offload" / "profiles").glob("*.json")
+                  if "-target-" not in p.name)
+    real = load_measured(cached)
+    slow = json.loads(cached.read_text())
+    for key in ("target_pass_s", "target_idle_s", "draft_level_s", "draft_level_greedy_s"):
+        slow[key] = [4 * v for v in slow[key]]
+    cached.write_text(json.dumps(slow))
+    result, engine = greedy_past_eos(pair, "Hello", 12, draft="self-int8", tree="auto", offload="disk")
+    check = engine.speed_check
+    assert check is not None and check.moved and check.target < 0.5 and check.draft < 0.5
+    timings = engine.auto_plans[0.0].timings
+    one = real.target_pass_s[real.target_tokens.index(1)]
+    assert one / 2 < timings.target_seconds[0] < 2 * one  # (4x the real one without the check)
+    assert result.stats["auto"]["speed_check"]["target_scale"] == check.target
+    assert result.token_ids == greedy_past_eos(pair, "Hello", 12)[0].token_ids

@@ -9,6 +9,7 @@ without timing a noisy machine) and the vectors a fixed one: what is under test 
 not the measurements (tests/test_auto_tree.py and test_optimizer.py test those)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,27 @@ def test_a_short_answer_length_is_carried_to_the_table_and_the_tree(folders, fak
             for t in fresh.predicted:
                 (s1, tree1), (s2, tree2) = fresh.at(t, n), cached.at(t, n)
                 assert s2 == pytest.approx(s1) and tree2 == tree1, (fresh.name, t, n)
+
+
+def test_a_cached_tables_chosen_draft_says_what_its_loaded_engine_predicts(folders, fakes):
+    """A cached table's figures are from when it was chosen; the chosen draft's engine predicts
+    again when it loads (its profile speed-checked, `profiler.speed_now`). `DraftChoice.refresh`
+    puts the engine's figures in the chosen candidate, on the table's pooled scale, so that the
+    first line (`summary`) and the engine's stats line say the same."""
+    target, _ = folders
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    path = next((Path(os.environ["XDG_CACHE_HOME"]) / "sequoia-offload" / "draft-choice").glob("*.json"))
+    data = json.loads(path.read_text())
+    for c in data["candidates"]:  # the table as another spell of the machine left it (still chosen)
+        if c["name"] == data["chosen"]:
+            c["predicted"] = {t: v / 2 for t, v in c["predicted"].items()}
+    path.write_text(json.dumps(data))
+    engine = Engine.load(target, draft="auto", offload="disk", progress=False)
+    engine.close()
+    choice, plan = engine.draft_choice, engine.auto_plans[0.0]
+    best = choice.best
+    assert choice.chosen == data["chosen"]
+    own = best.score(0.0) * best.plain_measured[0.0] / best.plain[0.0]
+    assert own == pytest.approx(plan.for_length(None).choice.seconds_per_token)
+    assert f"{plan.choice.seconds_per_token:.3f} s/token predicted" in choice.summary(0.0)
+    assert choice.speedup(0.0) == pytest.approx(plan.predicted_speedup, rel=1e-6)

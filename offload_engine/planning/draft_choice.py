@@ -117,6 +117,23 @@ class DraftChoice:
         plain = Candidate("plain", predicted=c.plain)
         return plain.score(temperature) / c.score(temperature, self.length)
 
+    def refresh(self, engine) -> None:
+        """The chosen candidate's predictions as its loaded engine makes them now (a cached
+        table's are from when it was chosen; the engine's profile has had its speed check since,
+        `profiler.speed_now`), kept on the table's pooled scale of plain decoding; the summary
+        and the engine's stats line then say the same."""
+        c = self.best
+        if c.name == "none" or not engine.auto_plans:
+            return
+        pooled = dict(c.plain)
+        _fill(c, engine)
+        for t, own in c.plain_measured.items():
+            if t in pooled and own > 0:
+                c.predicted[t] *= pooled[t] / own
+                for entry in c.by_length.get(t, {}).values():
+                    entry[0] *= pooled[t] / own
+                c.plain[t] = pooled[t]
+
     def summary(self, temperature: float | None = None) -> str:
         """One line: the draft chosen, its tree and its predicted speed-up; its s/token as its
         own profile predicts it (as the loaded engine's stats line will), not on the table's
@@ -331,15 +348,7 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
         engine = None
         try:
             engine = load(folder, draft=name, tree="auto", adapt=False, progress=progress, **given)
-            for t, auto in engine.auto_plans.items():
-                c.predicted[t] = auto.choice.seconds_per_token
-                c.plain[t] = auto.plain_seconds_per_token
-                c.trees[t] = _tree(auto.choice)
-                c.by_length[t] = {}
-                for n in LENGTHS:  # (the steps make the tokens after the prefill's first)
-                    at = auto.for_length(n - 1).choice
-                    c.by_length[t][n] = [at.seconds_per_token, _tree(at)]
-            c.plain_measured = dict(c.plain)
+            _fill(c, engine)
             p = engine.plan
             c.plan = (f"{len(p.resident_layers)} resident, {len(p.ram_layers)} RAM, {len(p.disk_layers)} disk layers, "
                       f"{p.bytes_per_pass} B a pass")
@@ -360,6 +369,21 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, choice.to_json())
     return choice
+
+
+def _fill(c: Candidate, engine) -> None:
+    """A candidate's predictions (its own profile's scale) from its loaded engine's auto plans."""
+    c.predicted, c.plain, c.trees, c.by_length = {}, {}, {}, {}
+    for t, auto in engine.auto_plans.items():
+        long = auto.for_length(None).choice  # (an engine loaded for one length: long generations here)
+        c.predicted[t] = long.seconds_per_token
+        c.plain[t] = auto.plain_seconds_per_token
+        c.trees[t] = _tree(long)
+        c.by_length[t] = {}
+        for n in LENGTHS:  # (the steps make the tokens after the prefill's first)
+            at = auto.for_length(n - 1).choice
+            c.by_length[t][n] = [at.seconds_per_token, _tree(at)]
+    c.plain_measured = dict(c.plain)
 
 
 def _tree(choice) -> str:
