@@ -159,7 +159,12 @@ def _variant_kwargs(m: dict) -> dict:
 
 def _load_group(args, group: list[dict]) -> tuple[dict, list]:
     """{mode: engine} for a group of modes, and the engines to close. "shared" modes are variants
-    of one engine loaded as --tree auto with the draft (unless --separate-engines)."""
+    of one engine loaded as --tree auto with the draft (unless --separate-engines). With a
+    "draft-auto" mode (`--draft-auto-study`), the candidate it chose is measured on a variant of
+    the draft-auto engine: the two rows are one configuration (the chosen draft, --tree auto, the
+    same answers' length), and two engines of one configuration decode 5-20% apart on 2 cores
+    (run 7: the chosen self-q8's own row 10% faster than draft-auto's; run 8: 16% slower), which
+    would be read as draft auto's choice being worse or better than itself."""
     owned, engines = [], {}
     shared = [m for m in group if m.get("shared")] if not getattr(args, "separate_engines", False) else []
     try:
@@ -167,6 +172,13 @@ def _load_group(args, group: list[dict]) -> tuple[dict, list]:
             base = _load(args, {"mode": "base", "kind": "auto"})
             owned.append(base)
             engines.update({m["mode"]: base.variant(**_variant_kwargs(m)) for m in shared})
+        auto = next((m for m in group if m["mode"] == "draft-auto"), None)
+        if auto is not None and not getattr(args, "separate_engines", False):
+            engines["draft-auto"] = _load(args, auto)
+            owned.append(engines["draft-auto"])
+            chosen = f"{engines['draft-auto'].draft_choice.chosen}-auto"
+            if any(m["mode"] == chosen for m in group):
+                engines[chosen] = engines["draft-auto"].variant()
         for m in group:
             if m["mode"] not in engines:
                 engines[m["mode"]] = _load(args, m)
@@ -373,7 +385,7 @@ def run(args: argparse.Namespace) -> dict:
                         steps = sum((Counter(pp["tree_steps"]) for pp in r["per_prompt"]), Counter())
                         row["trees"] = describe_trees(steps)
                     row["shared_engine"] = all(e is not engines[m["mode"]] for e in owned)  # a variant
-                    if getattr(engines[m["mode"]], "draft_choice", None) is not None:  # --draft auto's pick
+                    if m["mode"] == "draft-auto" and engines[m["mode"]].draft_choice is not None:  # its pick
                         row["draft_chosen"] = engines[m["mode"]].draft_choice.chosen
                     if m["mode"] == "plain-streamed":
                         plain_ids[t] = r["token_ids"]

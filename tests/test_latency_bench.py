@@ -136,6 +136,11 @@ def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pai
         assert r["vs_best_single_paired"] == pytest.approx(statistics.median(ratios))
         assert r["equal_to_plain"] is (True if t == 0 else None)
         assert r["draft_chosen"] in ("self-int8", "self-q8", "none")
+        # the chosen candidate's row runs on a variant of the draft-auto engine (one configuration,
+        # one engine); the other candidates on engines of their own
+        for name in ("self-int8", "self-q8"):
+            assert at[f"{name}-auto"]["shared_engine"] is (name == r["draft_chosen"])
+        assert "draft_chosen" not in at["self-q8-auto"] and not r["shared_engine"]
     assert "the best single draft" in capsys.readouterr().out
     # --draft auto choosing no draft: its row has no trees, and the table says so
     res = json.loads((tmp_path / "r.json").read_text())
