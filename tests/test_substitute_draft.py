@@ -16,6 +16,7 @@ from offload_engine.engine import plan_only
 from offload_engine.formats.config import load_config
 from offload_engine.runtime import streamer
 from offload_engine.runtime.quant import QuantizedLinear
+from offload_engine.speculation import decoder as decoder_module
 from offload_engine.speculation.decoder import SpeculativeDecoder
 from offload_engine.speculation.drafts import head_bytes, substitute_layer_bytes
 from sequoia_trees.sampling import SamplingParams
@@ -121,6 +122,27 @@ def test_greedy_with_a_substitute_draft_equals_plain_greedy(target, plain, tmp_p
             assert result.stats["step_split"]["draft_overlapped"] > 0
         else:
             assert stats is None or stats["hits"] == stats["misses"] == 0
+
+
+def test_a_choice_of_cases_still_on_its_way_to_the_host_is_waited_for(target, plain, tmp_path, monkeypatch, slow_disk):
+    """The cases grown ahead are chosen on the device and copied to the host without a wait (on
+    CUDA: behind the draft's last level, `decoder._to_host`); the units run in the pass's waits
+    ask whether the copy has landed and do nothing until it has. Here every choice answers "not
+    yet" three times first: the trees are still grown and used, and the output is plain greedy's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    real, asked = decoder_module._to_host, []
+
+    def late(t):
+        host, _ = real(t)
+        calls = iter([False, False, False])
+        return host, lambda: asked.append(1) is None and next(calls, True)
+    monkeypatch.setattr(decoder_module, "_to_host", late)
+    result, _ = greedy_past_eos(target, PROMPT, 40, tree="sequoia", draft="self-q8", draft_group_size=32,
+                                offload="disk", buffers=2, tree_budget=24, tree_depth=6, overlap="on")
+    assert result.token_ids == plain
+    stats = result.stats["overlap"]
+    assert stats["hits"] >= 1 and stats["levels_used"] >= 1, stats
+    assert len(asked) >= 4 * (stats["hits"] + stats["misses"])  # (three "not yet" and a "now" per step)
 
 
 def _committed_kv_matches_target(engine, dec, seq):
