@@ -121,7 +121,9 @@ class DraftChoice:
         """The chosen candidate's predictions as its loaded engine makes them now (a cached
         table's are from when it was chosen; the engine's profile has had its speed check since,
         `profiler.speed_now`), kept on the table's pooled scale of plain decoding; the summary
-        and the engine's stats line then say the same."""
+        and the engine's stats line then say the same for long answers and for the table's
+        LENGTHS (between two of those the summary interpolates, the engine plans the length
+        itself). The other candidates keep the table's figures."""
         c = self.best
         if c.name == "none" or not engine.auto_plans:
             return

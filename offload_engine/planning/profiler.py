@@ -227,8 +227,12 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
 # 2.25x), so a cached profile's two cheapest readings are taken again when it is used: the
 # target's one-token pass (where it takes under CHECK_MAX_PASS_S: a 70B pass streamed over PCIe
 # takes seconds and is left to the online planner) and the draft's CHECK_WIDTH-wide greedy level,
-# each the median of CHECK_REPEATS after a warm-up, in alternation. When either ratio is beyond
-# CHECK_TOLERANCE of 1, both parts of the profile are rescaled by their own ratios (`rescaled`):
+# each the median of CHECK_REPEATS back to back after a warm-up, as the profile timed them (in
+# alternation, each pass followed a draft level during which the loader prefetched its first
+# layers, and read low). When either ratio is beyond
+# CHECK_TOLERANCE of 1, both parts of the profile are rescaled by their own ratios (`rescaled`),
+# each ratio held within [1/CHECK_MAX_SCALE, CHECK_MAX_SCALE] (five timings in a load spike can
+# read 9x; the line then says so and `profile --force` measures the machine again):
 # rescaling only the part past the line left the other up to 10% off in the same direction, and
 # the predicted speed-up, their quotient, swung by 30% between two loads minutes apart (3.24x
 # and 2.34x against 2.29x and 2.03x measured); when both are within it, the profile is kept as
@@ -237,6 +241,7 @@ CHECK_REPEATS = 5
 CHECK_WIDTH = 16
 CHECK_MAX_PASS_S = 0.5
 CHECK_TOLERANCE = 0.10
+CHECK_MAX_SCALE = 3.0
 
 
 @dataclass(frozen=True)
@@ -250,7 +255,13 @@ class SpeedCheck:
 
     @staticmethod
     def _ratio(now, then) -> float | None:
-        return None if now is None or not then else now / then
+        return None if now is None or not then else min(max(now / then, 1 / CHECK_MAX_SCALE), CHECK_MAX_SCALE)
+
+    @property
+    def clamped(self) -> bool:
+        """Whether a reading was past CHECK_MAX_SCALE of the profile's (its scale held there)."""
+        return any(now is not None and then and not 1 / CHECK_MAX_SCALE <= now / then <= CHECK_MAX_SCALE
+                   for now, then in ((self.target_now, self.target_then), (self.draft_now, self.draft_then)))
 
     @property
     def moved(self) -> bool:
@@ -286,6 +297,9 @@ class SpeedCheck:
                              if r is not None)
         tail = (f"; the profile's {moved} rescaled to now (`profile --force` measures it all again)" if moved
                 else f"; within {CHECK_TOLERANCE:.0%}: the profile is used as measured")
+        if self.clamped:
+            tail += (f"; a reading past {CHECK_MAX_SCALE:g}x the profile's is held at {CHECK_MAX_SCALE:g}x (a "
+                     "machine this much faster or slower than when profiled: `profile --force` measures it again)")
         return f"speed check against the profile of {self.measured_at}: " + ", ".join(parts) + tail
 
 
@@ -296,23 +310,30 @@ def speed_now(engine, prof: MeasuredProfile, repeats: int = CHECK_REPEATS) -> Sp
     target, draft, vocab = engine.model, engine.draft, engine.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, vocab, (prof.prefix_tokens,), generator=g)
-    jobs = {}
     target_then = (prof.target_pass_s[prof.target_tokens.index(1)] if 1 in prof.target_tokens else None)
-    if target_then is not None and target_then <= CHECK_MAX_PASS_S:
-        jobs["target"] = (_target_pass_job(target, _prefixed_cache(target, prefix, 1), 1, g, vocab), target.device)
+    target_now = (_one_token_pass_now(engine, prefix, g, repeats)
+                  if target_then is not None and target_then <= CHECK_MAX_PASS_S else None)
     draft_then = (prof.draft_level_greedy_s[prof.draft_widths.index(CHECK_WIDTH)]
                   if draft is not None and CHECK_WIDTH in prof.draft_widths else None)
+    draft_now = None
     if draft_then is not None:
         dcache = _prefixed_cache(draft, prefix, CHECK_WIDTH)
-        jobs["draft"] = (_draft_level_job(draft, dcache, CHECK_WIDTH, True, g, g, vocab), draft.device)
-    times: dict[str, list[float]] = {k: [] for k in jobs}
-    for k, (job, device) in jobs.items():
-        _timed(job, device)  # warm-up: first-touch allocations, the stream's pipeline
-    for _ in range(repeats):  # in alternation: a slow spell falls on both
-        for k, (job, device) in jobs.items():
-            times[k].append(_timed(job, device))
-    now = {k: statistics.median(v) for k, v in times.items()}
-    return SpeedCheck(now.get("target"), target_then, now.get("draft"), draft_then, prof.measured_at)
+        draft_now = _median_time(_draft_level_job(draft, dcache, CHECK_WIDTH, True, g, g, vocab), draft.device, repeats)
+    return SpeedCheck(target_now, target_then, draft_now, draft_then, prof.measured_at)
+
+
+def _median_time(job, device: torch.device, repeats: int) -> float:
+    """The median of `repeats` timings of a job run back to back, after one warm-up (first-touch
+    allocations, the stream's pipeline)."""
+    _timed(job, device)
+    return statistics.median(_timed(job, device) for _ in range(repeats))
+
+
+def _one_token_pass_now(engine, prefix: torch.Tensor, g: torch.Generator, repeats: int = CHECK_REPEATS) -> float:
+    """The target's one-token pass after `prefix`, timed now (`_median_time`)."""
+    target = engine.model
+    job = _target_pass_job(target, _prefixed_cache(target, prefix, 1), 1, g, engine.config.vocab_size)
+    return _median_time(job, target.device, repeats)
 
 
 def rescaled(prof: MeasuredProfile, check: SpeedCheck) -> MeasuredProfile:
@@ -425,6 +446,7 @@ def _target_pass_job(target, cache, n: int, g: torch.Generator, vocab: int, exec
         target.forward(tokens, positions, cache, mask=mask).cpu()
         if executor is not None and idles is not None:
             idles.setdefault(n, []).append(executor.snapshot().idle_window_seconds - before)
+    run.reading = ("target", n)  # (what it times: tests give the clock a known answer by it)
     return run
 
 
@@ -440,6 +462,7 @@ def _draft_level_job(draft, dcache, w: int, greedy: bool, g: torch.Generator, dg
             torch.topk(logits, 2).indices
         else:
             gumbel_top_k(logits_to_probs(logits, params), 2, dg)
+    run.reading = ("draft", w, greedy)
     return run
 
 
@@ -472,11 +495,10 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
             # measured in another spell of the machine than this profile's levels and steps: the
             # one-token pass timed now scales it to this one (as `speed_now` does at load), so that
             # the step model is not fitted to the difference between two spells
-            job = _target_pass_job(target, _prefixed_cache(target, prefix, 1), 1, g, engine.config.vocab_size)
-            _timed(job, device)
-            r = statistics.median(_timed(job, device) for _ in range(CHECK_REPEATS)) / ts[ns.index(1)]
-            if abs(r - 1) > CHECK_TOLERANCE:
-                ts, idle_s = [t * r for t in ts], tuple(t * r for t in idle_s)
+            then = ts[ns.index(1)]
+            check = SpeedCheck(_one_token_pass_now(engine, prefix, g), then, None, None)
+            if check.moved:
+                ts, idle_s = [t * check.target for t in ts], tuple(t * check.target for t in idle_s)
         bar.update(1 + len(TARGET_WIDTHS))
     else:
         # 1. streaming bandwidth

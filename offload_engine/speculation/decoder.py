@@ -783,6 +783,7 @@ class SpeculativeDecoder:
         if ahead.pending is not None:
             host, ready = ahead.pending
             if not ready():  # (CUDA: the draft's last level still running; nothing queued, asked again)
+                time.sleep(0)  # (the GIL to the loader thread: the executor asks again at once)
                 return True
             ahead.pending, ahead.jobs = None, self._ahead_jobs(host.tolist(), ahead.shape.n)
         if self._ahead_work is None:
