@@ -117,6 +117,8 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
     assert 0 < prof.fit_cv_error < 5 and 0 < prof.fit_cv_error_greedy < 5 and prof.draft_factor >= 0
     printed = capsys.readouterr().out
     assert "measured:" in printed and "cross-validated error" in printed and "| plain |" in printed
+    # the speed check's readings, taken in the profile's own spell (`profiler.check_readings`)
+    assert prof.check_target_s > 0 and prof.check_draft_s > 0 and "speed check readings" in printed
     # no vector for this pair yet: the generic one shaped the timed trees, and the profile says so
     assert prof.fit_vector == prof.fit_vector_greedy == () and "shaped by a generic acceptance vector" in printed
     assert main(args) == 0
@@ -135,6 +137,7 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
                             ({"step_residual_s": 1e400}, "must be a finite number"),
                             ({"draft_factor": "1"}, "'draft_factor' must be a number, got '1'"),
                             ({"draft_factor": -0.5}, "'draft_factor' must be >= 0"),
+                            ({"check_draft_s": -0.5}, "'check_draft_s' must be >= 0"),
                             ({"fit_depths": good["fit_depths"][:-1]}, "'fit_budgets' and 'fit_depths' differ"),
                             ({"fit_step_s": [0.1] * len(good["fit_budgets"]) + [0.1]}, "differ in length"),
                             ({"fit_vector": [0.7, 0.6]}, "'fit_vector' is not an acceptance vector"),
@@ -238,7 +241,7 @@ def test_a_second_draft_on_the_same_target_and_plan_reuses_the_targets_part(pair
     monkeypatch.setattr(profiler, "disk_read_gbps", lambda *a: pytest.fail("the target's part measured again"))
     # the machine 2.5x slower since: the one-token pass timed again reads so (the clock told), and the
     # shared part is scaled to this profile's spell; every other timing is real
-    real_timed, one = profiler._timed, first.target_pass_s[first.target_tokens.index(1)]
+    real_timed, one = profiler._timed, first.check_target_s
     monkeypatch.setattr(profiler, "_timed", lambda fn, device: (
         real_timed(fn, device) if getattr(fn, "reading", None) != ("target", 1) else (fn(), 2.5 * one)[1]))
     assert main([*base, "--draft", "self-int4", "--draft-group-size", "32", "--out", str(tmp_path / "b.json")]) == 0
@@ -313,8 +316,8 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     cached = next(p for p in (tmp_path / "cache" / "sequoia-offload" / "profiles").glob("*.json")
                   if "-target-" not in p.name)
     prof = load_measured(cached)
-    then = {("target", 1): prof.target_pass_s[prof.target_tokens.index(1)],
-            ("draft", profiler.CHECK_WIDTH, True): prof.draft_level_greedy_s[prof.draft_widths.index(16)]}
+    assert prof.check_target_s > 0 and prof.check_draft_s > 0  # (recorded when it was measured)
+    then = {("target", 1): prof.check_target_s, ("draft", profiler.CHECK_WIDTH, True): prof.check_draft_s}
     real_timed, ran = profiler._timed, []
 
     def clock(scale):

@@ -623,6 +623,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print(f"overlap, {name}: a pass waits {t.idle(1):.4f} s (1 token) to {t.idle(t.target_tokens[-1]):.4f} s "
                   f"({t.target_tokens[-1]} tokens) for streamed layers; the next step used {t.overlap_use:.0%} of "
                   "the draft work that fits there (step = max(pass, overlapped) + the draft work left)")
+    if prof.check_target_s or prof.check_draft_s:
+        print("speed check readings (taken again whenever the profile is used): "
+              + ", ".join(f"{what} {v * 1e3:.1f} ms" for what, v in (("a one-token target pass", prof.check_target_s),
+                                                                     (f"a {profiler.CHECK_WIDTH}-wide draft level",
+                                                                      prof.check_draft_s)) if v))
     print(f"measured in {prof.measure_s:.1f} s")
     if args.out:
         Path(args.out).write_text(prof.to_json())

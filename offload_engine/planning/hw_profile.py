@@ -105,6 +105,11 @@ class MeasuredProfile:
     # own where it had one; profiles before them: profiler.PROFILE_VECTOR)
     fit_vector: tuple[float, ...] = ()
     fit_vector_greedy: tuple[float, ...] = ()
+    # the speed check's readings taken when the profile was measured, with the check's own jobs
+    # (`profiler.speed_now`: the one-token target pass and the draft's 16-wide greedy level, each
+    # the median of five back to back); 0: not taken (a pass too long to check)
+    check_target_s: float = 0.0
+    check_draft_s: float = 0.0
 
     def timings(self, greedy: bool = False):
         """The optimizer's input for greedy or sampled decoding: times made non-decreasing in
@@ -129,7 +134,7 @@ class MeasuredProfile:
 # numeric fields that may be zero; one that may be negative; every other number must be > 0
 _MAY_BE_ZERO = {"stream_gb_per_s", "measure_s", "draft_factor", "draft_factor_greedy", "fit_cv_error",
                 "fit_cv_error_greedy", "target_idle_s", "overlap_use", "overlap_use_greedy", "fit_vector",
-                "fit_vector_greedy"}
+                "fit_vector_greedy", "check_target_s", "check_draft_s"}
 _SIGNED = {"step_residual_s", "step_residual_greedy_s", "step_per_node_s", "step_per_node_greedy_s", "plain_step_s",
            "plain_step_greedy_s"}
 

@@ -69,7 +69,7 @@ TARGET_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX_TOKENS = 128
 DEFAULT_BUDGET_S = 120.0
-PROFILE_VERSION = 8  # 5: the pass waits and the overlap used (drafting while the target streams); 6: the
+PROFILE_VERSION = 9  # 9: the speed check's own readings recorded (`speed_now`); 5: the pass waits and the overlap used (drafting while the target streams); 6: the
 # timed steps' trees shaped by the pair's own vectors (`shaping_vectors`); 7: self-q8/self-int8 levels timed
 # with the CPU's integer GEMM only where it pays (`quant._wide_pays`: without VNNI it was 15x slower); 8: self-draft
 # levels with fused q/k/v and gate/up matrices and an int8 head (`model.fuse_projections`)
@@ -172,7 +172,9 @@ def read_target_part(path: Path) -> dict | None:
                                      "stream_gb_per_s")}
         Timings(tuple(part["target_tokens"]), tuple(part["target_pass_s"]), (1,), (0.0,),
                 idle_seconds=tuple(part["target_idle_s"]))
-        if not isinstance(part["stream_source"], str) or not part["stream_gb_per_s"] >= 0:
+        part["check_target_s"] = float(data.get("check_target_s", 0.0))  # (0: not recorded)
+        if not isinstance(part["stream_source"], str) or not part["stream_gb_per_s"] >= 0 \
+                or not part["check_target_s"] >= 0:
             return None
         return part
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
@@ -187,6 +189,7 @@ def _write_target_part(engine, prof: MeasuredProfile) -> None:
     atomic_write_text(target_part_path(engine), json.dumps({
         "target_tokens": prof.target_tokens, "target_pass_s": prof.target_pass_s, "target_idle_s": prof.target_idle_s,
         "stream_source": prof.stream_source, "stream_gb_per_s": prof.stream_gb_per_s,
+        "check_target_s": prof.check_target_s,
         "measured_at": prof.measured_at}, indent=2) + "\n")
 
 
@@ -224,19 +227,19 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
 # The speed check (`speed_now`): a shared machine's speed moves by tens of percent within hours
 # (the 2-vCPU machine, 2026-12-04: a profile cached at 16:18 had draft levels 1.2-2x and target
 # passes 1.1-1.3x the times measured at 18:10; the demo printed 2.74x predicted and measured
-# 2.25x), so a cached profile's two cheapest readings are taken again when it is used: the
-# target's one-token pass (where it takes under CHECK_MAX_PASS_S: a 70B pass streamed over PCIe
-# takes seconds and is left to the online planner) and the draft's CHECK_WIDTH-wide greedy level,
-# each the median of CHECK_REPEATS back to back after a warm-up, as the profile timed them (in
-# alternation, each pass followed a draft level during which the loader prefetched its first
-# layers, and read low). When either ratio is beyond
-# CHECK_TOLERANCE of 1, both parts of the profile are rescaled by their own ratios (`rescaled`),
-# each ratio held within [1/CHECK_MAX_SCALE, CHECK_MAX_SCALE] (five timings in a load spike can
-# read 9x; the line then says so and `profile --force` measures the machine again):
-# rescaling only the part past the line left the other up to 10% off in the same direction, and
-# the predicted speed-up, their quotient, swung by 30% between two loads minutes apart (3.24x
-# and 2.34x against 2.29x and 2.03x measured); when both are within it, the profile is kept as
-# measured (a 0.1 s pass streamed from disk varies by 10-15% from one to the next).
+# 2.25x), so a profile records two cheap readings when it is measured (`check_readings`), and
+# they are taken again, the same way, each time it is used: the target's one-token pass (where
+# it takes under CHECK_MAX_PASS_S: a 70B pass streamed over PCIe takes seconds and is left to the
+# online planner) and the draft's CHECK_WIDTH-wide greedy level, each the median of CHECK_REPEATS
+# back to back after a warm-up. Only a reading taken the same way compares: against the profile's
+# own table, a level timed back to back read 0.6x (no loader thread beside it) where the steps ran
+# 0.8x, and a pass timed after a draft level read low (the loader had prefetched its first
+# layers). When either ratio is beyond CHECK_TOLERANCE of 1, both parts of the profile are
+# rescaled by their own ratios (`rescaled`): rescaling only the part past the line left the other
+# up to 10% off in the same direction; when both are within it, the profile is kept as measured (a
+# 0.1 s pass streamed from disk varies by 10-15% from one to the next). Each ratio is held within
+# [1/CHECK_MAX_SCALE, CHECK_MAX_SCALE] (five timings in a load spike can read 9x; the line then
+# says so, and `profile --force` measures the machine again).
 CHECK_REPEATS = 5
 CHECK_WIDTH = 16
 CHECK_MAX_PASS_S = 0.5
@@ -304,36 +307,65 @@ class SpeedCheck:
 
 
 def speed_now(engine, prof: MeasuredProfile, repeats: int = CHECK_REPEATS) -> SpeedCheck:
-    """Time the cached profile's two cheapest readings again on the loaded engine (see
-    CHECK_REPEATS): the target's one-token pass and the draft's CHECK_WIDTH-wide greedy level,
-    after a prefix of the profile's length, with the profile's own jobs."""
-    target, draft, vocab = engine.model, engine.draft, engine.config.vocab_size
+    """The profile's check readings (`check_readings`, recorded when it was measured) taken
+    again on the loaded engine; a reading the profile did not record is not taken."""
+    target_now, draft_now = check_readings(engine, prof.prefix_tokens, repeats, target=prof.check_target_s > 0,
+                                           draft=prof.check_draft_s > 0)
+    return SpeedCheck(target_now, prof.check_target_s or None, draft_now, prof.check_draft_s or None,
+                      prof.measured_at)
+
+
+def check_readings(engine, prefix_tokens: int = PREFIX_TOKENS, repeats: int = CHECK_REPEATS, target: bool = True,
+                   draft: bool = True) -> tuple[float | None, float | None]:
+    """(the target's one-token pass, the draft's CHECK_WIDTH-wide greedy level) in seconds, each
+    after a random prefix of `prefix_tokens`, the median of `repeats` back to back after a
+    warm-up; the pass is not taken (None) when a first one takes over CHECK_MAX_PASS_S, the
+    level when there is no draft (or when not asked for)."""
+    vocab = engine.config.vocab_size
     g = torch.Generator().manual_seed(1)
-    prefix = torch.randint(0, vocab, (prof.prefix_tokens,), generator=g)
-    target_then = (prof.target_pass_s[prof.target_tokens.index(1)] if 1 in prof.target_tokens else None)
-    target_now = (_one_token_pass_now(engine, prefix, g, repeats)
-                  if target_then is not None and target_then <= CHECK_MAX_PASS_S else None)
-    draft_then = (prof.draft_level_greedy_s[prof.draft_widths.index(CHECK_WIDTH)]
-                  if draft is not None and CHECK_WIDTH in prof.draft_widths else None)
-    draft_now = None
-    if draft_then is not None:
-        dcache = _prefixed_cache(draft, prefix, CHECK_WIDTH)
-        draft_now = _median_time(_draft_level_job(draft, dcache, CHECK_WIDTH, True, g, g, vocab), draft.device, repeats)
-    return SpeedCheck(target_now, target_then, draft_now, draft_then, prof.measured_at)
+    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g)
+    target_s = draft_s = None
+    if target:
+        job = _target_pass_job(engine.model, _prefixed_cache(engine.model, prefix, 1), 1, g, vocab)
+        if _timed(job, engine.model.device) <= CHECK_MAX_PASS_S:  # (the warm-up)
+            target_s = statistics.median(_timed(job, engine.model.device) for _ in range(repeats))
+    if draft and engine.draft is not None:
+        d = engine.draft
+        job = _draft_level_job(d, _prefixed_cache(d, prefix, CHECK_WIDTH), CHECK_WIDTH, True, g, g, vocab)
+        _timed(job, d.device)
+        draft_s = statistics.median(_timed(job, d.device) for _ in range(repeats))
+    return target_s, draft_s
 
 
-def _median_time(job, device: torch.device, repeats: int) -> float:
-    """The median of `repeats` timings of a job run back to back, after one warm-up (first-touch
-    allocations, the stream's pipeline)."""
-    _timed(job, device)
-    return statistics.median(_timed(job, device) for _ in range(repeats))
+def speed_now(engine, prof: MeasuredProfile, repeats: int = CHECK_REPEATS) -> SpeedCheck:
+    """The profile's check readings (`check_readings`, recorded when it was measured) taken
+    again on the loaded engine; a reading the profile did not record is not taken."""
+    target_now, draft_now = check_readings(engine, prof.prefix_tokens, repeats, target=prof.check_target_s > 0,
+                                           draft=prof.check_draft_s > 0)
+    return SpeedCheck(target_now, prof.check_target_s or None, draft_now, prof.check_draft_s or None,
+                      prof.measured_at)
 
 
-def _one_token_pass_now(engine, prefix: torch.Tensor, g: torch.Generator, repeats: int = CHECK_REPEATS) -> float:
-    """The target's one-token pass after `prefix`, timed now (`_median_time`)."""
-    target = engine.model
-    job = _target_pass_job(target, _prefixed_cache(target, prefix, 1), 1, g, engine.config.vocab_size)
-    return _median_time(job, target.device, repeats)
+def check_readings(engine, prefix_tokens: int = PREFIX_TOKENS, repeats: int = CHECK_REPEATS, target: bool = True,
+                   draft: bool = True) -> tuple[float | None, float | None]:
+    """(the target's one-token pass, the draft's CHECK_WIDTH-wide greedy level) in seconds, each
+    after a random prefix of `prefix_tokens`, the median of `repeats` back to back after a
+    warm-up; the pass is not taken (None) when a first one takes over CHECK_MAX_PASS_S, the
+    level when there is no draft (or when not asked for)."""
+    vocab = engine.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g)
+    target_s = draft_s = None
+    if target:
+        job = _target_pass_job(engine.model, _prefixed_cache(engine.model, prefix, 1), 1, g, vocab)
+        if _timed(job, engine.model.device) <= CHECK_MAX_PASS_S:  # (the warm-up)
+            target_s = statistics.median(_timed(job, engine.model.device) for _ in range(repeats))
+    if draft and engine.draft is not None:
+        d = engine.draft
+        job = _draft_level_job(d, _prefixed_cache(d, prefix, CHECK_WIDTH), CHECK_WIDTH, True, g, g, vocab)
+        _timed(job, d.device)
+        draft_s = statistics.median(_timed(job, d.device) for _ in range(repeats))
+    return target_s, draft_s
 
 
 def rescaled(prof: MeasuredProfile, check: SpeedCheck) -> MeasuredProfile:
@@ -491,12 +523,11 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
         ts = list(shared["target_pass_s"][:len(ns)])
         idle_s = tuple(shared["target_idle_s"][:len(ns)])
         pass_repeats = None  # (timed when it was measured)
-        if 1 in ns and ts[ns.index(1)] <= CHECK_MAX_PASS_S:
-            # measured in another spell of the machine than this profile's levels and steps: the
-            # one-token pass timed now scales it to this one (as `speed_now` does at load), so that
-            # the step model is not fitted to the difference between two spells
-            then = ts[ns.index(1)]
-            check = SpeedCheck(_one_token_pass_now(engine, prefix, g), then, None, None)
+        if shared["check_target_s"] > 0:
+            # measured in another spell of the machine than this profile's levels and steps: its
+            # check reading taken again scales it to this one (as `speed_now` does at load), so
+            # that the step model is not fitted to the difference between two spells
+            check = SpeedCheck(check_readings(engine, draft=False)[0], shared["check_target_s"], None, None)
             if check.moved:
                 ts, idle_s = [t * check.target for t in ts], tuple(t * check.target for t in idle_s)
         bar.update(1 + len(TARGET_WIDTHS))
@@ -595,6 +626,8 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
     uses = {greedy: fit_overlap_use(shapes, ahead[greedy], replace(bases[greedy], draft_factor=fits[greedy][2],
                                                                     idle_seconds=idle_s), vectors[greedy])
             if overlap else 0.0 for greedy in (True, False)}
+    # the speed check's readings, in this spell (`speed_now` takes them again on every later use)
+    check_t, check_d = check_readings(engine)
     bar.update(1)
     bar.close()
     (a_g, b_g, f_g, p_g, cv_g), (a_s, b_s, f_s, p_s, cv_s) = fits[True], fits[False]
@@ -613,7 +646,8 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
         fit_step_s=tuple(t[0] for t in times[False]), fit_step_greedy_s=tuple(t[0] for t in times[True]),
         fit_cv_error=cv_s,
         fit_cv_error_greedy=cv_g, target_idle_s=idle_s, overlap_use=uses[False], overlap_use_greedy=uses[True],
-        fit_vector=_own(vectors[False]), fit_vector_greedy=_own(vectors[True]))
+        fit_vector=_own(vectors[False]), fit_vector_greedy=_own(vectors[True]),
+        check_target_s=check_t or 0.0, check_draft_s=check_d or 0.0)
 
 
 def _own(vector: AcceptanceVector) -> tuple[float, ...]:
