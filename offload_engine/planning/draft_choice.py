@@ -231,10 +231,12 @@ def siblings(target_folder: Path) -> list[Path]:
 
 def _key(folder: Path, kwargs: dict) -> str:
     from ..formats.checkpoint import fingerprint
-    from .profiler import machine_name
+    from .profiler import PROFILE_VERSION, machine_name
     import torch
     device = kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    ident = [CHOICE_VERSION, fingerprint(folder), machine_name(torch.device(device)),
+    # (a new profile version puts every profile under a new key: the table, made from the old
+    # ones, whose files stay behind, is made again from new ones)
+    ident = [CHOICE_VERSION, PROFILE_VERSION, fingerprint(folder), machine_name(torch.device(device)),
              {k: str(v) for k, v in sorted(kwargs.items()) if k != "progress"}]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
