@@ -236,14 +236,15 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
 # 0.8x, and a pass timed after a draft level read low (the loader had prefetched its first
 # layers). When either ratio is beyond CHECK_TOLERANCE of 1, both parts of the profile are
 # rescaled by their own ratios (`rescaled`): rescaling only the part past the line left the other
-# up to 10% off in the same direction; when both are within it, the profile is kept as measured (a
-# 0.1 s pass streamed from disk varies by 10-15% from one to the next). Each ratio is held within
+# off in the same direction; when both are within it, the profile is kept as measured (on the
+# 2-vCPU machine the same one-token pass read 104-137 ms in four loads within three minutes,
+# 2026-12-04: a tolerance of 10% rescaled on noise). Each ratio is held within
 # [1/CHECK_MAX_SCALE, CHECK_MAX_SCALE] (five timings in a load spike can read 9x; the line then
 # says so, and `profile --force` measures the machine again).
 CHECK_REPEATS = 5
 CHECK_WIDTH = 16
 CHECK_MAX_PASS_S = 0.5
-CHECK_TOLERANCE = 0.10
+CHECK_TOLERANCE = 0.20
 CHECK_MAX_SCALE = 3.0
 
 
