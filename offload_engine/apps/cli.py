@@ -594,8 +594,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof, path, fresh = profiler.cached_or_measured(engine, args.budget_s, progress=True, force=args.force)
     print(f"{'measured' if fresh else 'cached'}: {path}")
     if not fresh:  # (what `--tree auto` will do with it at load; the profile itself is shown as cached)
-        print(profiler.speed_now(engine, prof).describe().replace("rescaled to now", "would be rescaled to now "
-                                                                 "when `--tree auto` loads it"))
+        print(profiler.speed_now(engine, prof).describe("would be rescaled to now when `--tree auto` loads it"))
     print(f"machine: {prof.machine}; {prof.device} ({prof.dtype}); plan: {prof.plan}")
     print(f"streaming: {prof.stream_source} {prof.stream_gb_per_s:.2f} GB/s")
     print("| target tokens | pass s |\n|---:|---:|")

@@ -289,7 +289,9 @@ class SpeedCheck:
                 "draft_now_s": self.draft_now, "draft_profile_s": self.draft_then,
                 "target_scale": self.target, "draft_scale": self.draft, "profile_measured_at": self.measured_at}
 
-    def describe(self) -> str:
+    def describe(self, done: str = "rescaled to now") -> str:
+        """One line: the readings against the profile's and what is done with it (`done`: what
+        happens to the profile's parts when the machine moved)."""
         parts = []
         for what, now, then in (("a one-token target pass", self.target_now, self.target_then),
                                 (f"a {CHECK_WIDTH}-wide draft level", self.draft_now, self.draft_then)):
@@ -299,43 +301,12 @@ class SpeedCheck:
             return "speed check: nothing cheap enough to time again"
         moved = " and ".join(w for w, r in (("target passes", self.target), ("draft levels", self.draft))
                              if r is not None)
-        tail = (f"; the profile's {moved} rescaled to now (`profile --force` measures it all again)" if moved
+        tail = (f"; the profile's {moved} {done} (`profile --force` measures it all again)" if moved
                 else f"; within {CHECK_TOLERANCE:.0%}: the profile is used as measured")
         if self.clamped:
             tail += (f"; a reading past {CHECK_MAX_SCALE:g}x the profile's is held at {CHECK_MAX_SCALE:g}x (a "
                      "machine this much faster or slower than when profiled: `profile --force` measures it again)")
         return f"speed check against the profile of {self.measured_at}: " + ", ".join(parts) + tail
-
-
-def speed_now(engine, prof: MeasuredProfile, repeats: int = CHECK_REPEATS) -> SpeedCheck:
-    """The profile's check readings (`check_readings`, recorded when it was measured) taken
-    again on the loaded engine; a reading the profile did not record is not taken."""
-    target_now, draft_now = check_readings(engine, prof.prefix_tokens, repeats, target=prof.check_target_s > 0,
-                                           draft=prof.check_draft_s > 0)
-    return SpeedCheck(target_now, prof.check_target_s or None, draft_now, prof.check_draft_s or None,
-                      prof.measured_at)
-
-
-def check_readings(engine, prefix_tokens: int = PREFIX_TOKENS, repeats: int = CHECK_REPEATS, target: bool = True,
-                   draft: bool = True) -> tuple[float | None, float | None]:
-    """(the target's one-token pass, the draft's CHECK_WIDTH-wide greedy level) in seconds, each
-    after a random prefix of `prefix_tokens`, the median of `repeats` back to back after a
-    warm-up; the pass is not taken (None) when a first one takes over CHECK_MAX_PASS_S, the
-    level when there is no draft (or when not asked for)."""
-    vocab = engine.config.vocab_size
-    g = torch.Generator().manual_seed(1)
-    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g)
-    target_s = draft_s = None
-    if target:
-        job = _target_pass_job(engine.model, _prefixed_cache(engine.model, prefix, 1), 1, g, vocab)
-        if _timed(job, engine.model.device) <= CHECK_MAX_PASS_S:  # (the warm-up)
-            target_s = statistics.median(_timed(job, engine.model.device) for _ in range(repeats))
-    if draft and engine.draft is not None:
-        d = engine.draft
-        job = _draft_level_job(d, _prefixed_cache(d, prefix, CHECK_WIDTH), CHECK_WIDTH, True, g, g, vocab)
-        _timed(job, d.device)
-        draft_s = statistics.median(_timed(job, d.device) for _ in range(repeats))
-    return target_s, draft_s
 
 
 def speed_now(engine, prof: MeasuredProfile, repeats: int = CHECK_REPEATS) -> SpeedCheck:
