@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import statistics
 import sys
 import threading
 import time
@@ -270,6 +271,10 @@ class Engine:
         # predicted: the yardstick of the stats line's speed-up); off where the caller times plain
         # decoding itself (`demo`, after its answer)
         self.first_plain_checks = True
+        # --tree auto with `remember`: vector temperature -> (file, stored vector) of what its
+        # planner learned (`planning.learned`)
+        self.remember = False
+        self.learned_paths: dict = {}
         self.overlap = False  # the draft grows the next tree during the pass (Engine.load overlap=)
         self.suffix_gated = False  # --draft suffix alone, --tree auto: a `SuffixGate` per temperature
         self.gates: dict = {}
@@ -306,7 +311,8 @@ class Engine:
              cache_slots: int = 1, weights: str = "auto", adapt: bool = True,
              suffix_memory: int = DEFAULT_MEMORY, verify_reads: bool = False, overlap: str = "auto",
              progress: bool = True, draft_candidates: list[str] | None = None,
-             draft_temperature: float | None = None, plan_tokens: int | None = None) -> "Engine":
+             draft_temperature: float | None = None, plan_tokens: int | None = None,
+             remember: bool = False) -> "Engine":
         """Load a checkpoint folder (or "default") onto `device` in `dtype`.
 
         dtype defaults to bfloat16 on CUDA and float32 on the CPU; max_context to the model's
@@ -339,7 +345,10 @@ class Engine:
         generations will ask for (max_new_tokens), when known: the tree (and draft) chosen at load,
         and the predictions printed for them, are for answers that long (None: long ones); with
         adaptation each generation re-chooses for its own max_new_tokens (adapt=False keeps the
-        load-time choice for every generation).
+        load-time choice for every generation). `remember` (the CLI's default; off here, so that
+        a script's runs do not depend on earlier ones): with --tree auto and adaptation, what the
+        planners learn (this pair's acceptance, the answers' lengths) is kept after every
+        generation and the next load plans from it (`planning.learned`).
         """
         if plan_tokens is not None and plan_tokens < 1:
             raise UserError(f"plan_tokens must be >= 1, got {plan_tokens}")
@@ -363,7 +372,7 @@ class Engine:
                     engine = cls.load(target, draft=None if choice.chosen == "none" else choice.chosen, tree=tree,
                                       specinfer_width=specinfer_width, acceptance=acceptance, adapt=adapt,
                                       suffix_memory=suffix_memory, progress=progress, plan_tokens=plan_tokens,
-                                      **{**kwargs, **budgets})
+                                      remember=remember, **{**kwargs, **budgets})
                     break
                 except UserError:
                     if again or choice.chosen == "none":
@@ -427,6 +436,7 @@ class Engine:
             engine.draft_name = ((str(draft) if is_model_name(str(draft)) else Path(draft).name)
                                  + ("+suffix" if use_suffix else ""))
         engine.adapt = adapt
+        engine.remember = remember and adapt
         # (nothing to overlap when no layer streams: every pass has its layers at hand)
         engine.overlap = bool(s.plan.streamed_layers) and (
             overlap == "on" or (overlap == "auto" and is_substitute_draft(draft)))
@@ -441,7 +451,8 @@ class Engine:
 
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
                    progress: bool, length: int | None = None) -> None:
-        from .planning import auto_tree, profiler
+        from .planning import auto_tree, learned, profiler
+        from .planning.adaptive import LENGTH_MIN
         from .speculation import measure
         # the vectors first: a profile measured now shapes its timed steps' trees by the pair's
         # own (`profiler.shaping_vectors`), the trees the optimizer will then choose among
@@ -461,8 +472,27 @@ class Engine:
             if progress:
                 print(f"sequoia-offload: {self.speed_check.describe()}", file=sys.stderr)
         # (the steps make the tokens after the prefill's first)
-        self.auto_plans = auto_tree.plan_auto(vectors, prof, max_budget, max_depth,
-                                              None if length is None else max(1, length - 1))
+        steps_length = None if length is None else max(1, length - 1)
+        self.auto_plans, self.learned_paths = {}, {}
+        for t, (vector, vpath) in vectors.items():
+            state, plan_length = None, steps_length
+            if self.remember:  # what earlier runs' planners learned, where it fits (`planning.learned`)
+                lpath = learned.path_for(self.target_fingerprint or "", self.draft_key or "", t, vector)
+                self.learned_paths[t] = (lpath, vector)
+                state, why = learned.load(lpath, vector)
+                if why and progress:
+                    print(f"sequoia-offload: not using {lpath} ({why}); the planner at T={t:g} starts from "
+                          f"{Path(vpath).name}", file=sys.stderr)
+                if state is not None:
+                    longer = [n for n in state["ended"] if n > 0]
+                    if len(longer) >= LENGTH_MIN:  # (as the planner reads lengths: `planning_length`)
+                        expected = max(1, int(statistics.median(longer)))
+                        plan_length = expected if plan_length is None else min(plan_length, expected)
+                    vector = learned.vector(state, vector)
+            plan = auto_tree.plan_auto({t: (vector, vpath)}, prof, max_budget, max_depth, plan_length)[t]
+            if state is not None:
+                plan = replace(plan, learned=state, source=f"{plan.source}, {learned.describe(state)}")
+            self.auto_plans[t] = plan
         self.planners = {}  # made per request temperature on first use (`_planner`)
         if progress:
             for plan in self.auto_plans.values():
@@ -669,6 +699,10 @@ class Engine:
         finish = "stop" if eos or stream.stopped else "length"
         if planner is not None:  # (an answer that ended on its own tells the planner how long answers are)
             planner.finish(len(new) - 1, finish == "stop")
+            if self.remember and planner.adapt and auto.temperature in self.learned_paths:
+                from .planning import learned
+                lpath, prior = self.learned_paths[auto.temperature]
+                learned.save(lpath, prior, planner)
         seconds = time.perf_counter() - start
         suffix_stats = None
         if drafter is not None:  # this request's new text joins its key's store
@@ -703,6 +737,8 @@ class Engine:
         key = round(params.temperature, 3)
         if key not in self.planners:
             self.planners[key] = OnlinePlanner(plan.vector, plan.timings, plan.candidates, self.adapt, plan.choice)
+            if plan.learned is not None:  # (an earlier run's estimate and lengths: `planning.learned`)
+                self.planners[key].restore(plan.learned)
         planner = self.planners[key]
         planner.adapt = self.adapt
         planner.first_checks = self.first_plain_checks

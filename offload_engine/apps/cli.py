@@ -100,6 +100,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def _forget_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--forget", action="store_true",
+                   help="--tree auto: plan from the stored acceptance vectors alone, and keep nothing of what "
+                        "this run learns (default: what earlier runs' planners learned about this pair's "
+                        "acceptance and your answers' lengths is used and kept up to date; "
+                        "docs/choosing-the-tree.md#kept-from-one-run-to-the-next)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sequoia-offload", description=(
         "Run a Llama-family model exactly on one GPU (or the CPU). With no command: a one-turn chat "
@@ -108,9 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="one streamed chat turn with the embedded default pair: the target "
                                        "streamed from disk (on a machine without a GPU), the default draft, --tree auto")
     _model_args(demo)
+    _forget_arg(demo)
     demo.set_defaults(draft="auto", offload=None)
     gen = sub.add_parser("generate", help="generate from a prompt")
     _model_args(gen)
+    _forget_arg(gen)
     gen.set_defaults(draft="auto")
     _sampling_args(gen)
     gen.add_argument("--prompt", required=True, help="prompt text")
@@ -120,12 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help='print one JSON object {"text", "token_ids", "stats"} on stdout and nothing else')
     chat = sub.add_parser("chat", help="interactive multi-turn chat with streamed answers")
     _model_args(chat)
+    _forget_arg(chat)
     chat.set_defaults(draft="auto")
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
                                        "/v1/models, /health) for desktop assistants and the openai client")
     _model_args(srv)
+    _forget_arg(srv)
     srv.set_defaults(draft="auto")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -273,7 +285,7 @@ def _candidates(args: argparse.Namespace) -> list[str] | None:
 
 
 def _load(args: argparse.Namespace, quiet: bool = False, temperature: float | None = None,
-          tokens: int | None = None):
+          tokens: int | None = None, remember: bool = False):
     """The engine the flags describe; `temperature` and `tokens`: the requests' temperature and
     max_new_tokens, when known (--draft auto and --tree auto choose for them)."""
     from ..engine import Engine
@@ -290,7 +302,7 @@ def _load(args: argparse.Namespace, quiet: bool = False, temperature: float | No
                        suffix_memory=getattr(args, "suffix_memory", 1_000_000),
                        verify_reads=getattr(args, "verify_reads", False), overlap=getattr(args, "overlap", "auto"),
                        progress=not quiet, draft_candidates=_candidates(args),
-                       draft_temperature=temperature, plan_tokens=tokens)
+                       draft_temperature=temperature, plan_tokens=tokens, remember=remember)
 
 
 def _acceptance(path: str | None):
@@ -360,7 +372,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         import torch
         gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         args.offload = "auto" if gpu else "disk"
-    engine = _load(args, temperature=0.0, tokens=DEMO_TOKENS)
+    engine = _load(args, temperature=0.0, tokens=DEMO_TOKENS, remember=not args.forget)
     print(_draft_line(engine, 0.0))
     print(_model_line(engine))
     print(f"user: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
@@ -420,7 +432,8 @@ def _messages(prompt: str, system: str | None) -> list[dict]:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise UserError("--system needs --chat (a plain prompt has no system message)")
-    engine = _load(args, quiet=args.json, temperature=args.temperature, tokens=args.max_new_tokens)
+    engine = _load(args, quiet=args.json, temperature=args.temperature, tokens=args.max_new_tokens,
+                   remember=not args.forget)
     source = {"messages": _messages(args.prompt, args.system)} if args.chat else {"prompt": args.prompt}
     result = engine.generate(**source, **_sampling(args), on_token=None if args.json else _printer)
     if args.json:
@@ -431,7 +444,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _load(args, temperature=args.temperature, tokens=args.max_new_tokens)
+    engine = _load(args, temperature=args.temperature, tokens=args.max_new_tokens, remember=not args.forget)
     print(_draft_line(engine, args.temperature))
     print(_model_line(engine))
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -488,7 +501,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if isinstance(api_key, list) and not all(api_key):
         raise UserError("--api-key must not be empty")
     check_bind(args.host, api_key, args.insecure_no_key)  # before the model loads: a refusal comes at once
-    engine = _load(args)
+    engine = _load(args, remember=not args.forget)
     from ..formats.model_names import is_model_name
     name = args.model_name or (DEFAULT_MODEL_NAME if args.target == "default" else
                                args.target if is_model_name(args.target) else display_name(engine.folder))

@@ -126,6 +126,15 @@ class AcceptanceEstimate:
         # decayed counts, the prior's pseudo-observations included
         self.accepted = [strength * h for h in self.prior_h]
         self.at_risk = [strength] * self.width
+        self.steps = 0  # tree steps observed (restored ones included: `learned`)
+
+    def restore(self, prior_h: list[float], accepted: list[float], at_risk: list[float], steps: int) -> None:
+        """Go on from an earlier estimate's state (`planning.learned`): its anchor (the stored
+        prior's hazards) and its decayed counts."""
+        if not len(prior_h) == len(accepted) == len(at_risk) == self.width:
+            raise ValueError(f"an estimate of width {self.width} cannot take a state of width {len(accepted)}")
+        self.prior_h, self.accepted, self.at_risk = list(prior_h), list(accepted), list(at_risk)
+        self.steps = int(steps)
 
     def observe(self, children: int, rank: int | None) -> None:
         """A node with `children` children whose child of 0-based `rank` was accepted (None:
@@ -140,6 +149,7 @@ class AcceptanceEstimate:
         """Once per step: older evidence weighs less."""
         self.accepted = [a * self.forget for a in self.accepted]
         self.at_risk = [n * self.forget for n in self.at_risk]
+        self.steps += 1
 
     def hazards(self) -> list[float]:
         return [(a + h) / (n + 1.0) for a, n, h in zip(self.accepted, self.at_risk, self.prior_h)]
@@ -461,6 +471,7 @@ class OnlinePlanner:
         self.left: int | None = None  # tokens the generation's steps have yet to make (None: unbounded)
         self.done = 0  # tokens the generation's steps have made
         self.ended: deque = deque(maxlen=LENGTH_WINDOW)  # step tokens of recent answers that ended on their own
+        self.generations = 0  # finished with adaptation on (restored ones included)
         self.log = GenerationLog(self.current, base.plain())
 
     @property
@@ -508,6 +519,22 @@ class OnlinePlanner:
         a stop string (not by max_new_tokens), so that its length says how long answers are."""
         if ended and tokens > 0 and self.adapt:
             self.ended.append(int(tokens))
+        if self.adapt:
+            self.generations += 1
+
+    def learned_state(self) -> dict:
+        """What this planner learned about the pair and the answers, for `planning.learned`:
+        the acceptance estimate's anchor and decayed counts, and the recent answer lengths."""
+        a = self.accept
+        return {"prior_hazards": list(a.prior_h), "accepted": list(a.accepted), "at_risk": list(a.at_risk),
+                "ended": list(self.ended), "tree_steps": a.steps, "generations": self.generations}
+
+    def restore(self, state: dict) -> None:
+        """Go on from `learned_state()` of an earlier planner of the same pair and stored vector
+        (the candidates are expected to be filled with the restored estimate's vector already)."""
+        self.accept.restore(state["prior_hazards"], state["accepted"], state["at_risk"], state["tree_steps"])
+        self.ended = deque((int(x) for x in state["ended"]), maxlen=LENGTH_WINDOW)
+        self.generations = int(state["generations"])
 
     def _rechoose(self, timings: Timings) -> bool:
         """The best candidate for the tokens left under `timings`, taken when it is predicted

@@ -40,6 +40,7 @@ class AutoPlan:
     timings: Timings  # the profile's step model for this temperature (greedy or sampled)
     candidates: Candidates  # every (budget, depth) of the DP table, for re-planning
     length: int | None = None  # the tokens the steps make (max_new_tokens - 1) `choice` was made for (None: many)
+    learned: dict | None = None  # an earlier run's planner state `vector` comes from (`learned`), else None
 
     def for_length(self, length: int | None) -> "AutoPlan":
         """This plan with its choice (and best tree) made for generations of `length` tokens."""

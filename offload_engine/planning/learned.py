@@ -1,0 +1,108 @@
+"""What the online planner learned, kept from one run to the next (`--tree auto`, adapting).
+
+A planner (`adaptive.OnlinePlanner`) starts from a stored acceptance vector, measured on a few
+calibration prompts, and learns this user's acceptance from every tree step (the hazard of each
+rank, `AcceptanceEstimate`) and how long this user's answers are (the lengths of the answers that
+ended on their own). Within one process that carries from one generation to the next; without
+this module a new `chat`, `generate` or `demo` started again from the calibration prompts'
+vector and from no lengths, and its first line's prediction was the calibration prompts' (the
+demo, 2026-12-05: 12.96 tokens a step predicted for a 128-token answer, 8.25-11.0 measured on its
+67-token answer, the same answer every run).
+
+So after each generation of an engine loaded with `remember=True` (the CLI's default; `--forget`
+turns it off) the planner's state is written to <cache>/learned/<key>.json: the decayed counts of
+the acceptance estimate (its prior's pseudo-observations included, so that a restored estimate
+goes on exactly as the old one would have), the stored prior it started from, and the lengths of
+the last answers that ended on their own. The next load with the same target, draft and stored
+vector plans from it: the load-time tree, the first line's prediction and the planner's start.
+The key holds the target's fingerprint, the draft's key, the vector's temperature and the
+stored vector itself, so a new stored vector (or another draft) starts afresh. A file that does
+not parse or does not fit is ignored (and replaced by the next write); writes are atomic.
+
+Only acceptance and lengths are kept, not timings: the machine's speed is read again at every
+load (`profiler.speed_now`) and within a run by the planner's timing factors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+from sequoia_trees.acceptance import AcceptanceVector
+
+from ..fsutil import atomic_write_text, cache_root
+
+VERSION = 1
+
+
+def folder() -> Path:
+    return cache_root() / "learned"
+
+
+def path_for(target_fingerprint: str, draft_key: str, temperature: float, prior: AcceptanceVector) -> Path:
+    """The file of one (target, draft, vector temperature, stored vector)."""
+    ident = json.dumps([VERSION, target_fingerprint, draft_key, round(float(temperature), 3),
+                        [round(float(p), 12) for p in prior.probs]])
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
+    return folder() / f"{digest}.json"
+
+
+def load(path: Path, prior: AcceptanceVector) -> tuple[dict | None, str | None]:
+    """(state, None) when `path` holds a usable state learned from `prior`; (None, why) when it
+    is there but unusable; (None, None) when there is none."""
+    if not path.exists():
+        return None, None
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"it does not parse ({exc.__class__.__name__})"
+    why = _invalid(state, prior)
+    return (None, why) if why else (state, None)
+
+
+def _invalid(state, prior: AcceptanceVector) -> str | None:
+    if not isinstance(state, dict) or state.get("version") != VERSION:
+        return "another version"
+    w = prior.width
+    lists = {k: state.get(k) for k in ("prior", "prior_hazards", "accepted", "at_risk")}
+    for k, v in lists.items():
+        if not isinstance(v, list) or len(v) != w or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v):
+            return f"its {k!r} is not {w} finite non-negative numbers"
+    if any(h > 1.0 for h in lists["prior_hazards"]):
+        return "its prior hazards are not probabilities"
+    if any(abs(a - b) > 1e-9 for a, b in zip(lists["prior"], prior.probs)):
+        return "it was learned from another stored vector"
+    if any(a > n + 1e-6 for a, n in zip(lists["accepted"], lists["at_risk"])):
+        return "it counts more acceptances than tries"
+    ended = state.get("ended")
+    if not isinstance(ended, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ended):
+        return "its answer lengths are not positive integers"
+    for k in ("tree_steps", "generations"):
+        if not isinstance(state.get(k), int) or isinstance(state.get(k), bool) or state[k] < 0:
+            return f"its {k!r} is not a count"
+    return None
+
+
+def save(path: Path, prior: AcceptanceVector, planner) -> None:
+    """Write `planner`'s state (learned from `prior`) to `path`, whole or not at all."""
+    state = {"version": VERSION, "prior": list(prior.probs), **planner.learned_state(),
+             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(state, indent=1) + "\n")
+
+
+def vector(state: dict, prior: AcceptanceVector) -> AcceptanceVector:
+    """The acceptance vector a restored estimate gives (what the load-time plan is made from)."""
+    from .adaptive import AcceptanceEstimate
+    est = AcceptanceEstimate(prior)
+    est.restore(state["prior_hazards"], state["accepted"], state["at_risk"], state["tree_steps"])
+    return est.vector()
+
+
+def describe(state: dict) -> str:
+    return (f"learned from {state['tree_steps']} tree steps of {state['generations']} earlier answers"
+            + (f", {len(state['ended'])} of which ended on their own" if state["ended"] else ""))

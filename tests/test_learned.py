@@ -1,0 +1,167 @@
+"""What the online planner learned, kept from one run to the next (`planning.learned`): the next
+load plans from it, restores it exactly, ignores a file that does not fit, and output stays
+exact."""
+
+import json
+import random
+
+import pytest
+
+from offload_engine.planning import learned
+from offload_engine.planning.adaptive import AcceptanceEstimate
+from sequoia_trees.acceptance import AcceptanceVector
+from tiny_models import greedy_past_eos, make_tiny_pair, perturbed_copy
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, _ = make_tiny_pair(tmp_path_factory.mktemp("learned"))
+    # a draft that disagrees now and then: what a run learns differs from the measured vector
+    return target, perturbed_copy(target, tmp_path_factory.mktemp("learned_draft") / "draft", 0.05, seed=3)
+
+
+@pytest.fixture
+def fake_profile(tmp_path, monkeypatch):
+    import offload_engine.planning.profiler as profiler
+    from test_auto_tree import _fake_profile
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine, pass_s=0.05, draft_s=2e-3))
+
+
+def _load(pair, **kw):
+    from offload_engine import Engine
+    eng = Engine.load(pair[0], draft=pair[1], tree="auto", progress=False, **kw)
+    eng.eos_token_ids = frozenset()
+    return eng
+
+
+def test_a_restored_estimate_goes_on_exactly_as_the_one_it_was_saved_from():
+    """Evidence A, the state saved and restored into a fresh estimate, then evidence B: the same
+    counts (to rounding) as one estimate that saw A and B."""
+    prior = AcceptanceVector((0.6, 0.2, 0.1, 0.05))
+    rng = random.Random(5)
+    evidence = [(rng.randint(1, 4), rng.choice([None, 0, 0, 1, 2])) for _ in range(300)]
+    one, first = AcceptanceEstimate(prior), AcceptanceEstimate(prior)
+    for i, (k, r) in enumerate(evidence):
+        r = None if r is not None and r >= k else r
+        one.observe(k, r)
+        if i < 150:
+            first.observe(k, r)
+        if i % 3 == 2:
+            one.fade()
+            if i < 150:
+                first.fade()
+    second = AcceptanceEstimate(AcceptanceVector((0.9, 0.1, 0.0, 0.0)))  # (another prior: overwritten)
+    state = json.loads(json.dumps({"h": first.prior_h, "a": first.accepted, "n": first.at_risk, "s": first.steps}))
+    second.restore(state["h"], state["a"], state["n"], state["s"])
+    for i, (k, r) in enumerate(evidence[150:], start=150):
+        r = None if r is not None and r >= k else r
+        second.observe(k, r)
+        if i % 3 == 2:
+            second.fade()
+    assert second.steps == one.steps == 100
+    assert second.hazards() == pytest.approx(one.hazards(), rel=1e-12)
+    assert second.vector().probs != prior.probs  # (the evidence moved it: the comparison means something)
+
+
+def test_what_a_run_learned_is_kept_and_the_next_load_plans_from_it(pair, fake_profile):
+    plain = greedy_past_eos(pair[0], PROMPT, 40)[0].token_ids
+    with _load(pair, remember=True) as eng:
+        stored = eng.auto_plans[0.0].vector
+        assert eng.auto_plans[0.0].learned is None  # (nothing learned yet)
+        path = eng.learned_paths[0.0][0]
+        first = eng.generate(PROMPT, max_new_tokens=40)
+        assert first.token_ids == plain
+        planner = eng.planners[0.0]
+        assert planner.accept.steps == first.stats["target_steps"] - planner.log.plain_steps > 0
+        saved = json.loads(path.read_text())
+        assert saved["accepted"] == planner.accept.accepted and saved["generations"] == 1
+        learned_vector = planner.accept.vector()
+    assert learned_vector.probs != stored.probs
+    # the next load: its plan is made from the learned vector, its planner goes on from the counts
+    with _load(pair, remember=True) as eng:
+        plan = eng.auto_plans[0.0]
+        assert plan.learned == saved and plan.vector.probs == pytest.approx(learned_vector.probs, abs=1e-12)
+        assert "learned from" in plan.source
+        from sequoia_trees.optimizer import Candidates
+        assert plan.candidates.acceptance.probs == plan.vector.probs  # (the DP table filled with it)
+        assert isinstance(plan.candidates, Candidates)
+        from sequoia_trees.sampling import SamplingParams
+        _, restored = eng._planner(SamplingParams(temperature=0.0))
+        assert restored.accept.accepted == saved["accepted"] and restored.accept.at_risk == saved["at_risk"]
+        assert restored.accept.prior_h == saved["prior_hazards"] and restored.generations == 1
+        again = eng.generate(PROMPT, max_new_tokens=40)
+        assert again.token_ids == plain  # (exact whatever the planner starts from)
+        assert json.loads(path.read_text())["generations"] == 2
+    # without remembering: the stored vector, and nothing written
+    before = path.read_text()
+    with _load(pair) as eng:
+        assert eng.auto_plans[0.0].learned is None and eng.auto_plans[0.0].vector.probs == stored.probs
+        assert eng.generate(PROMPT, max_new_tokens=40).token_ids == plain
+    assert path.read_text() == before
+
+
+def test_learned_answer_lengths_plan_the_load_time_choice(pair, fake_profile):
+    """Three answers that ended on their own after 6 tokens: the next load plans for 6-token
+    answers (as the planner would within one run), not for max_new_tokens."""
+    with _load(pair, remember=True, plan_tokens=128) as eng:
+        assert eng.auto_plans[0.0].length == 127
+        path = eng.learned_paths[0.0][0]
+        out = eng.generate(PROMPT, max_new_tokens=24)
+        eng.eos_token_ids = frozenset({out.token_ids[6]})
+        for _ in range(3):
+            assert eng.generate(PROMPT, max_new_tokens=24).finish_reason == "stop"
+    state = json.loads(path.read_text())
+    assert state["ended"] == [6, 6, 6]
+    with _load(pair, remember=True, plan_tokens=128) as eng:
+        plan = eng.auto_plans[0.0]
+        assert plan.length == 6 and "3 of which ended on their own" in plan.source
+        assert plan.choice == plan.candidates.best(plan.timings, length=6)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "other-prior", "negative", "more-accepted-than-tried"])
+def test_a_learned_file_that_does_not_fit_is_ignored_with_a_note_and_replaced(pair, fake_profile, capsys, damage):
+    from offload_engine import Engine
+    with _load(pair, remember=True) as eng:
+        path, stored = eng.learned_paths[0.0]
+        eng.generate(PROMPT, max_new_tokens=24)
+    good = json.loads(path.read_text())
+    bad = dict(good)
+    if damage == "garbage":
+        path.write_text('{"version": 1, "accepted": [')
+    else:
+        if damage == "other-prior":
+            bad["prior"] = [0.5] + bad["prior"][1:]
+        elif damage == "negative":
+            bad["at_risk"] = [-1.0] + bad["at_risk"][1:]
+        else:
+            bad["accepted"] = [x + 100.0 for x in bad["accepted"]]
+        path.write_text(json.dumps(bad))
+    capsys.readouterr()
+    eng = Engine.load(pair[0], draft=pair[1], tree="auto", progress=True, remember=True)
+    eng.eos_token_ids = frozenset()
+    with eng:
+        err = capsys.readouterr().err
+        assert f"not using {path}" in err and "starts from" in err, err
+        assert eng.auto_plans[0.0].learned is None and eng.auto_plans[0.0].vector.probs == stored.probs
+        eng.generate(PROMPT, max_new_tokens=24)
+    assert learned.load(path, stored)[1] is None  # (replaced by a usable state)
+    assert not list(path.parent.glob(".*tmp*"))  # (written whole: no temporary left)
+
+
+def test_the_cli_remembers_unless_told_to_forget(pair, fake_profile, tmp_path, capsys):
+    from offload_engine.apps.cli import main
+    base = ["generate", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
+            "--prompt", PROMPT, "--max-new-tokens", "12", "--json"]
+    folder = learned.folder()
+    assert main([*base, "--forget"]) == 0
+    assert not folder.exists() or not list(folder.glob("*.json"))
+    assert main(base) == 0
+    files = list(folder.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["generations"] == 1
+    assert main(base) == 0
+    assert json.loads(files[0].read_text())["generations"] == 2
+    assert main([*base, "--forget"]) == 0
+    assert json.loads(files[0].read_text())["generations"] == 2
