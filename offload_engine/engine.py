@@ -779,12 +779,17 @@ def _auto_stats(auto, planner, check=None) -> dict:
     (from the profile, or from what earlier generations taught the planner), the trees its steps
     used, the per-step forecast, plain decoding's predicted time as the steps measured it, and
     the load's speed check of the profile (`profiler.SpeedCheck`; None: a profile measured then)."""
+    from .planning.auto_tree import speedup_spread
     start, log, best = planner.log.start, planner.log, auto.best_tree
+    # (the middle 80% of what answers of the planned length measure: `auto_tree.speedup_spread`)
+    spread = speedup_spread(planner.candidates, start, planner.log.start_plain_seconds, start.length, auto.step_error)
     return {"temperature": auto.temperature, "budget": start.budget, "depth": start.depth, "adapt": planner.adapt,
             "predicted_tokens_per_step": start.tokens_per_step,
             "predicted_seconds_per_token": start.seconds_per_token,
             "predicted_plain_seconds_per_token": planner.log.start_plain_seconds,
             "predicted_speedup": planner.log.start_plain_seconds / start.seconds_per_token,
+            "predicted_speedup_range": None if spread is None else list(spread),
+            "predicted_for_tokens": None if start.length is None else start.length + 1,
             "best_tree": [best.budget, best.depth], "best_tree_predicted_seconds_per_token": best.seconds_per_token,
             "adapted_plain_seconds_per_token": planner.predicted_plain(),
             "speed_check": None if check is None else check.as_dict(), **log.as_dict()}

@@ -239,6 +239,23 @@ def expected_steps(pmfs: np.ndarray, length: int) -> np.ndarray:
     return steps_from_table(renewal_table(pmfs, min(max(length, 0), EXACT_LENGTH)), means, length)
 
 
+def steps_distribution(pmf: np.ndarray, length: int) -> np.ndarray:
+    """P(N(length) = j), j = 0 .. length: the distribution of the number of steps whose tokens
+    reach `length`, each step's tokens drawn from `pmf` (P(X = k), P(X = 0) = 0), independent:
+    N(l) = 1 when X >= l, else 1 + N(l - X) (the recursion `renewal_table` takes the mean of)."""
+    pmf = np.asarray(pmf, dtype=np.float64)
+    length = max(1, int(length))
+    kmax = len(pmf) - 1
+    dist = np.zeros((length + 1, length + 1))  # dist[l, j] = P(N(l) = j)
+    dist[0, 0] = 1.0
+    for l in range(1, length + 1):
+        dist[l, 1] = pmf[l:].sum()  # one step reaches l
+        for k in range(1, min(kmax, l - 1) + 1):
+            if pmf[k] > 0:
+                dist[l, 1:] += pmf[k] * dist[l - k, :-1]
+    return dist[length]
+
+
 def tokens_per_step_for(pmf: np.ndarray, length: int | None) -> float:
     """A step's tokens in a generation of `length` tokens: length / E[N(length)] (None: the mean)."""
     if length is None:
@@ -322,6 +339,13 @@ class Candidates:
         None when the budget is not a candidate."""
         depths = [k for (m, k) in self._trees if m == n and k <= d]
         return (n, max(depths)) if depths else None
+
+    def step_tokens(self, n: int, d: int) -> np.ndarray | None:
+        """P(X = k) of one step of (n, d)'s tree (None: not a candidate; n = 1: one token)."""
+        if n == 1:
+            return np.array([0.0, 1.0])
+        key = self._resolve(n, d)
+        return None if key is None else self._pmf_rows()[self._index[key]]
 
     def emitted(self, n: int, d: int, left: int | None) -> float | None:
         """The tokens one step of (n, d) is expected to hand out when `left` remain to be made:

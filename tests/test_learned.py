@@ -158,7 +158,12 @@ def test_the_cli_remembers_unless_told_to_forget(pair, fake_profile, tmp_path, c
     folder = learned.folder()
     assert main([*base, "--forget"]) == 0
     assert not folder.exists() or not list(folder.glob("*.json"))
+    capsys.readouterr()
     assert main(base) == 0
+    auto = json.loads(capsys.readouterr().out)["stats"]["auto"]
+    # (the start's prediction with the range 8 in 10 answers of the planned length measure)
+    low, high = auto["predicted_speedup_range"]
+    assert auto["predicted_for_tokens"] == 12 and low < auto["predicted_speedup"] < high
     files = list(folder.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["generations"] == 1
     assert main(base) == 0

@@ -301,3 +301,29 @@ def test_merged_candidates_keep_each_trees_own_distribution():
     assert any(n > 16 for n, *_ in merged.items)
     for (n, d, *_), g, t in zip(merged.items, values, long):
         assert t == pytest.approx(g, rel=1e-4), (n, d)
+
+
+def test_the_distribution_of_a_generations_steps_matches_simulated_generations():
+    """`steps_distribution` (P(N(L) = j)) against 20,000 simulated generations of a real tree's
+    step tokens: every probability within 5 standard errors of the simulated frequency (a
+    binomial's, at most 0.0035 here), exact cases exactly, and its mean the renewal function."""
+    import numpy as np
+    from sequoia_trees.optimizer import expected_steps, step_tokens_distribution, steps_distribution
+    assert steps_distribution(np.array([0, 0, 0, 1.0]), 7).tolist() == [0, 0, 0, 1.0, 0, 0, 0, 0]
+    assert steps_distribution(np.array([0, 1.0]), 5)[5] == 1.0
+    vector = AcceptanceVector((0.6, 0.15, 0.05, 0.03))
+    pmf = step_tokens_distribution(optimal_tree(vector, 64, 12), vector)
+    rng = np.random.default_rng(7)
+    for length in (3, 24, 67):
+        dist = steps_distribution(pmf, length)
+        assert dist.sum() == pytest.approx(1.0) and (dist * np.arange(len(dist))).sum() == pytest.approx(
+            expected_steps(pmf, length)[0], rel=1e-9)
+        steps = np.zeros(20000, dtype=int)
+        left = np.full(20000, length)
+        while (left > 0).any():
+            live = left > 0
+            left[live] -= rng.choice(len(pmf), size=live.sum(), p=pmf)
+            steps[live] += 1
+        freq = np.bincount(steps, minlength=len(dist))[:len(dist)] / 20000
+        se = np.sqrt(dist * (1 - dist) / 20000) + 1e-4
+        assert np.all(np.abs(freq - dist) <= 5 * se), (length, freq, dist)

@@ -17,12 +17,16 @@ generation measures its steps; without it the load-time choice is kept.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from sequoia_trees.acceptance import AcceptanceVector
 from sequoia_trees.dp import TreeTable
-from sequoia_trees.optimizer import DEFAULT_BUDGETS, DEFAULT_MAX_DEPTH, Candidates, Choice, Timings, candidates
+from sequoia_trees.optimizer import (DEFAULT_BUDGETS, DEFAULT_MAX_DEPTH, Candidates, Choice, Timings, candidates,
+                                     steps_distribution)
 
 from .hw_profile import MeasuredProfile
 
@@ -41,6 +45,13 @@ class AutoPlan:
     candidates: Candidates  # every (budget, depth) of the DP table, for re-planning
     length: int | None = None  # the tokens the steps make (max_new_tokens - 1) `choice` was made for (None: many)
     learned: dict | None = None  # an earlier run's planner state `vector` comes from (`learned`), else None
+    step_error: float = 0.0  # the profile's cross-validated error of a step's time (mean |predicted/measured - 1|)
+
+    def spread(self) -> tuple[float, float] | None:
+        """The speed-up that SPREAD_SHARE of answers of `length` tokens measure over plain
+        decoding (`speedup_spread`); None for plain decoding or long answers."""
+        return speedup_spread(self.candidates, self.choice, self.plain_seconds_per_token, self.length,
+                              self.step_error)
 
     def for_length(self, length: int | None) -> "AutoPlan":
         """This plan with its choice (and best tree) made for generations of `length` tokens."""
@@ -67,6 +78,61 @@ class AutoPlan:
                 f"({self.plain_seconds_per_token:.3f} s/token) [{self.source}]")
 
 
+SPREAD_SHARE = 0.8  # the share of answers the printed range of speed-ups is for
+SPREAD_MAX_LENGTH = 1024
+
+
+def speedup_spread(cands: Candidates, choice: Choice, plain_s: float, length: int | None, error: float = 0.0,
+                   share: float = SPREAD_SHARE) -> tuple[float, float] | None:
+    """(low, high): the middle `share` of the speed-ups over plain decoding that answers of
+    `length` tokens (the steps' tokens) measure with `choice`'s tree, by the model the choice
+    was made with. An answer of L tokens takes N(L) steps, drawn from the tree's own step-token
+    distribution (`steps_distribution`), so it measures plain_s * L / (N * seconds_per_step); a
+    short answer is a few steps, and its N spreads widely (the demo's 67-token answer: 5 to 8
+    steps of one tree). The times are spread too: a speed-up divides two measured times (the
+    tree's steps, plain decoding's), each off its prediction by the profile's cross-validated
+    error `error` (a mean absolute relative error, sigma = error * sqrt(pi / 2) for a normal
+    one), so the ratio is spread log-normally with sigma = error * sqrt(pi) (the two taken as
+    independent). None for plain decoding and long answers (length None)."""
+    if choice.budget == 1 or length is None or not math.isfinite(choice.seconds_per_step):
+        return None
+    pmf = cands.step_tokens(choice.budget, choice.depth)
+    if pmf is None:
+        return None
+    length = max(1, min(int(length), SPREAD_MAX_LENGTH))
+    dist = steps_distribution(pmf, length)
+    steps = np.nonzero(dist > 1e-12)[0]
+    probs = dist[steps] / dist[steps].sum()
+    scale = plain_s * length / choice.seconds_per_step  # speed-up = scale / N / f
+    sigma = max(0.0, float(error)) * math.sqrt(math.pi)
+
+    def below(x: float) -> float:  # P(speed-up <= x)
+        if sigma == 0:
+            return float(probs[scale / steps <= x * (1 + 1e-12)].sum())
+        z = (np.log(scale / steps) - math.log(x)) / sigma
+        return float((probs * 0.5 * (1 + np.vectorize(math.erf)(-z / math.sqrt(2)))).sum())
+
+    def quantile(q: float) -> float:
+        lo, hi = scale / steps.max() / math.exp(5 * sigma), scale / steps.min() * math.exp(5 * sigma)
+        if sigma == 0:  # (the smallest value whose CDF reaches q)
+            values = np.sort(scale / steps)
+            return float(next(v for v in values if below(v) >= q - 1e-12))
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if below(mid) < q else (lo, mid)
+        return hi
+
+    tail = (1 - share) / 2
+    return quantile(tail), quantile(1 - tail)
+
+
+def spread_text(spread) -> str:
+    """', 8 in 10 answers this long: 2.1-3.3x' (`speedup_spread`), or nothing."""
+    if not spread:
+        return ""
+    return f", {round(SPREAD_SHARE * 10)} in 10 answers this long: {spread[0]:.1f}-{spread[1]:.1f}x"
+
+
 def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MAX_BUDGET,
               max_depth: int = DEFAULT_MAX_DEPTH, length: int | None = None) -> dict[float, AutoPlan]:
     """Per temperature of `vectors`, the optimizer's choice for generations of `length` tokens
@@ -79,7 +145,9 @@ def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MA
         cands = Candidates(vector, ns, max_depth, TreeTable(vector, max(max(ns), 2), max_depth))
         choice = cands.best(timings, length=length)
         best_tree = choice if choice.budget > 1 else cands.best(timings, False, length)
-        plans[t] = AutoPlan(t, vector, Path(path).name, choice, timings.plain(), best_tree, timings, cands, length)
+        error = profile.fit_cv_error_greedy if t == 0 else profile.fit_cv_error
+        plans[t] = AutoPlan(t, vector, Path(path).name, choice, timings.plain(), best_tree, timings, cands, length,
+                            step_error=error)
     return plans
 
 
