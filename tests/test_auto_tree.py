@@ -332,7 +332,9 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     result, engine = greedy_past_eos(pair, "Hello", 12, draft="self-int8", tree="auto", offload="disk")
     check = engine.speed_check
     assert (check.target, check.draft) == (pytest.approx(0.4), pytest.approx(0.4)) and not check.clamped
-    assert ran.count(("target", 1)) == ran.count(("draft", 16, True)) == profiler.CHECK_REPEATS + 1
+    # (a move is read twice before it is believed: `speed_now`)
+    assert ran.count(("target", 1)) == ran.count(("draft", 16, True)) == 2 * (profiler.CHECK_REPEATS + 1)
+    assert check.first == (pytest.approx(0.4 * prof.check_target_s), pytest.approx(0.4 * prof.check_draft_s))
     want = profiler.rescaled(prof, check)
     assert want.target_pass_s == pytest.approx([0.4 * t for t in prof.target_pass_s])
     for t, plan in engine.auto_plans.items():
@@ -343,6 +345,28 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     _, spiked = greedy_past_eos(pair, "Hello", 2, draft="self-int8", tree="auto", offload="disk")
     assert spiked.speed_check.clamped and spiked.speed_check.target == pytest.approx(1 / profiler.CHECK_MAX_SCALE)
     assert "held at 3x" in spiked.speed_check.describe()
+    # a slow second: the first readings 1.5x, the second ones as the profile's; the second agree
+    # with the profile, and nothing is rescaled (the draft's: 1.5x, then 1.3x: taken as 1.3x)
+    calls = {}
+
+    def moody(fn, device):
+        if getattr(fn, "reading", None) not in then:
+            return real_timed(fn, device)
+        fn()
+        calls[fn.reading] = calls.get(fn.reading, 0) + 1
+        first = calls[fn.reading] <= profiler.CHECK_REPEATS + 1
+        return then[fn.reading] * (1.5 if first else 1.0 if fn.reading[0] == "target" else 1.3)
+    monkeypatch.setattr(profiler, "_timed", moody)
+    _, calm = greedy_past_eos(pair, "Hello", 2, draft="self-int8", tree="auto", offload="disk")
+    c = calm.speed_check
+    assert c.first == (pytest.approx(1.5 * prof.check_target_s), pytest.approx(1.5 * prof.check_draft_s))
+    assert c.moved and c.target == pytest.approx(1.0) and c.draft == pytest.approx(1.3)
+    assert "read twice" in c.describe()
+    calls.clear()
+    monkeypatch.setattr(profiler, "_timed", lambda fn, device: (
+        real_timed(fn, device) if getattr(fn, "reading", None) not in then else (fn(), then[fn.reading] * 1.1)[1]))
+    _, quiet = greedy_past_eos(pair, "Hello", 2, draft="self-int8", tree="auto", offload="disk")
+    assert quiet.speed_check.first is None and not quiet.speed_check.moved  # (within 20%: read once)
 
 
 @pytest.mark.parametrize("error", [0.0, 0.06])
