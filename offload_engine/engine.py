@@ -740,6 +740,7 @@ class Engine:
             if plan.learned is not None:  # (an earlier run's estimate and lengths: `planning.learned`)
                 self.planners[key].restore(plan.learned)
         planner = self.planners[key]
+        planner.step_error = plan.step_error
         planner.adapt = self.adapt
         planner.first_checks = self.first_plain_checks
         return plan, planner
@@ -779,10 +780,8 @@ def _auto_stats(auto, planner, check=None) -> dict:
     (from the profile, or from what earlier generations taught the planner), the trees its steps
     used, the per-step forecast, plain decoding's predicted time as the steps measured it, and
     the load's speed check of the profile (`profiler.SpeedCheck`; None: a profile measured then)."""
-    from .planning.auto_tree import speedup_spread
     start, log, best = planner.log.start, planner.log, auto.best_tree
-    # (the middle 80% of what answers of the planned length measure: `auto_tree.speedup_spread`)
-    spread = speedup_spread(planner.candidates, start, planner.log.start_plain_seconds, start.length, auto.step_error)
+    spread = log.start_spread  # (the middle 80% of what answers of the planned length measure)
     return {"temperature": auto.temperature, "budget": start.budget, "depth": start.depth, "adapt": planner.adapt,
             "predicted_tokens_per_step": start.tokens_per_step,
             "predicted_seconds_per_token": start.seconds_per_token,

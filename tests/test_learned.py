@@ -170,3 +170,23 @@ def test_the_cli_remembers_unless_told_to_forget(pair, fake_profile, tmp_path, c
     assert json.loads(files[0].read_text())["generations"] == 2
     assert main([*base, "--forget"]) == 0
     assert json.loads(files[0].read_text())["generations"] == 2
+
+
+def test_the_stats_range_is_the_one_printed_at_the_start_of_the_answer(pair, fake_profile, monkeypatch):
+    """A planner that refills its candidates every step (the acceptance estimate moved): the stats
+    line's range is the one the start's candidates gave (a range read at the end, from the refilled
+    table, once printed 1.9-3.0x beside a 3.47x prediction made from the first one)."""
+    from offload_engine.planning import adaptive
+    for name, value in (("EVERY", 1), ("REFILL_DISTANCE", 0.0), ("REPLAN_SHARE", 10.0), ("PRIOR_NODES", 1.0)):
+        monkeypatch.setattr(adaptive, name, value)
+    with _load(pair, plan_tokens=40) as eng:
+        plan = eng.auto_plans[0.0]
+        fresh = adaptive.OnlinePlanner(plan.vector, plan.timings, plan.candidates, True, plan.choice)
+        fresh.step_error = plan.step_error
+        fresh.begin(39)
+        result = eng.generate(PROMPT, max_new_tokens=40)
+        planner = eng.planners[0.0]
+    auto = result.stats["auto"]
+    assert fresh.log.start_spread is not None and planner.candidates is not plan.candidates  # (it refilled)
+    assert auto["predicted_speedup_range"] == pytest.approx(list(fresh.log.start_spread), rel=1e-12)
+    assert auto["predicted_speedup_range"][0] < auto["predicted_speedup"] < auto["predicted_speedup_range"][1]

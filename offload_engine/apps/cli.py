@@ -364,12 +364,13 @@ def _auto_summary(stats: dict, auto: dict, yardstick: tuple[float, str] | None =
     elif plain is None:
         plain, how = auto["adapted_plain_seconds_per_token"], "predicted from this run's steps"
     return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "
-            f"{auto['predicted_speedup']:.2f}x predicted at the start{_spread_text(auto.get('predicted_speedup_range'))})")
+            f"{auto['predicted_speedup']:.2f}x predicted at the start"
+            f"{_spread_text(auto.get('predicted_speedup_range'), auto.get('predicted_for_tokens'))})")
 
 
-def _spread_text(spread) -> str:
+def _spread_text(spread, tokens: int | None = None) -> str:
     from ..planning.auto_tree import spread_text
-    return spread_text(spread)
+    return spread_text(spread, tokens)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -414,9 +415,10 @@ def _draft_line(engine, temperature: float) -> str:
     plan = engine.auto_plans[min(engine.auto_plans, key=lambda t: (abs(t - temperature), t))]
     c = plan.choice
     tree = "plain" if c.budget == 1 else f"({c.budget},{c.depth})"
-    span = f" for {plan.length + 1}-token answers" if plan.length is not None else ""
+    tokens = None if plan.length is None else plan.length + 1
+    span = f" for {tokens}-token answers" if tokens is not None else ""
     return (f"draft: {name}, tree {tree}, {c.seconds_per_token:.3f} s/token predicted{span}, "
-            f"{plan.predicted_speedup:.2f}x over plain streamed decoding{_spread_text(plan.spread())}")
+            f"{plan.predicted_speedup:.2f}x over plain streamed decoding{_spread_text(plan.spread(), tokens)}")
 
 
 def _model_line(engine) -> str:

@@ -407,6 +407,9 @@ class GenerationLog:
     predicted (seconds, tokens) before it ran and what it measured."""
     start: Choice  # the tree the generation's first step ran, as predicted then
     start_plain_seconds: float  # a plain step, as predicted then
+    # the middle 80% of the speed-ups answers of the planned length measure with `start`, from
+    # the candidates as they were then (`auto_tree.speedup_spread`; None: plain, or a long answer)
+    start_spread: tuple | None = None
     trees: Counter = field(default_factory=Counter)
     predicted_seconds: float = 0.0
     predicted_tokens: float = 0.0
@@ -472,6 +475,7 @@ class OnlinePlanner:
         self.done = 0  # tokens the generation's steps have made
         self.ended: deque = deque(maxlen=LENGTH_WINDOW)  # step tokens of recent answers that ended on their own
         self.generations = 0  # finished with adaptation on (restored ones included)
+        self.step_error = 0.0  # the profile's cross-validated step error (the printed range's timing part)
         self.log = GenerationLog(self.current, base.plain())
 
     @property
@@ -499,7 +503,12 @@ class OnlinePlanner:
         timings = self.timing.timings()
         if self.adapt:
             self._rechoose(timings)
-        self.log = GenerationLog(self._evaluate(self._next(), timings), timings.plain())
+        start = self._evaluate(self._next(), timings)
+        self.log = GenerationLog(start, timings.plain())
+        if start is not None:  # (before a re-plan can refill the candidates the range is read from)
+            from .auto_tree import speedup_spread
+            self.log.start_spread = speedup_spread(self.candidates, start, timings.plain(), start.length,
+                                                   self.step_error)
         return self.spec()
 
     def _evaluate(self, choice: Choice, timings: Timings) -> Choice | None:

@@ -126,11 +126,13 @@ def speedup_spread(cands: Candidates, choice: Choice, plain_s: float, length: in
     return quantile(tail), quantile(1 - tail)
 
 
-def spread_text(spread) -> str:
-    """', 8 in 10 answers this long: 2.1-3.3x' (`speedup_spread`), or nothing."""
+def spread_text(spread, tokens: int | None = None) -> str:
+    """', 8 in 10 answers of 67 tokens: 2.1-3.3x' (`speedup_spread`; `tokens`: the answers'
+    length, the prefill's token included), or nothing."""
     if not spread:
         return ""
-    return f", {round(SPREAD_SHARE * 10)} in 10 answers this long: {spread[0]:.1f}-{spread[1]:.1f}x"
+    span = f"of {tokens} tokens" if tokens else "this long"
+    return f", {round(SPREAD_SHARE * 10)} in 10 answers {span}: {spread[0]:.1f}-{spread[1]:.1f}x"
 
 
 def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MAX_BUDGET,

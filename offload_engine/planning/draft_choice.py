@@ -149,10 +149,10 @@ class DraftChoice:
         if self.plans:  # (the loaded engine's plan: its length may be its learned answers', `learned`)
             from .auto_tree import spread_text
             plan = self.plans[min(self.plans, key=lambda k: (abs(k - (t or 0.0)), k))]
-            ch = plan.choice
-            span = f" for {plan.length + 1}-token answers" if plan.length is not None else ""
+            ch, tokens = plan.choice, None if plan.length is None else plan.length + 1
+            span = f" for {tokens}-token answers" if tokens is not None else ""
             return (f"draft auto: {c.name}, tree {_tree(ch)}, {ch.seconds_per_token:.3f} s/token predicted{span}, "
-                    f"{plan.predicted_speedup:.2f}x over plain streamed decoding{spread_text(plan.spread())} "
+                    f"{plan.predicted_speedup:.2f}x over plain streamed decoding{spread_text(plan.spread(), tokens)} "
                     f"({count} candidates; `plan --draft auto` lists them)")
         key = min(c.trees, key=lambda k: abs(float(k) - (t or 0.0))) if c.trees else None
         tree = c.at(key, self.length)[1] if key is not None else "plain"
