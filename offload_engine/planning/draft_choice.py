@@ -49,7 +49,8 @@ from ..fsutil import atomic_write_text, cache_root
 
 SELF_CANDIDATES = ("self-q8", "self-q4", "self-int8", "self-int4")
 TEMPERATURES = (0.0, 0.6)
-CHOICE_VERSION = 3  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`); 3: by length
+CHOICE_VERSION = 4  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`); 3: by length;
+# 4: a step's floor, the pass's compute and the draft's work (`Timings.step`)
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024)  # answer lengths (max_new_tokens) each candidate is predicted for
 DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's parameters (also `models`)
 
