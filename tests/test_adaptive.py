@@ -349,17 +349,17 @@ def test_short_answers_are_planned_for_their_length_and_forecast_truly():
     planner.begin(10_000)
     assert (planner.current.budget, planner.current.depth) == (96, 12)
     # a server's max_tokens of 10,000, every answer ending on its own after 8 tokens: from the
-    # fourth answer on, the planner plans for what earlier answers had left (measured over five
-    # seeds: 0.86-0.94x the blind planner's s/token; the bar, 0.95x, is near the worst of them)
+    # second answer on, the planner plans for what earlier answers had left (measured over five
+    # seeds with LENGTH_MIN 3: 0.86-0.94x the blind planner's s/token; the bar, 0.95x)
     learned, _, learned_trees = _generations(_planner(vector, base), World(vector, base, seed=13), 8, 200,
                                              budget=10_000)
     assert learned <= 0.95 * blind, (learned, blind)
-    assert learned_trees["(96,12)"] <= 3 * 2  # (the first three answers, before three lengths are in)
+    assert learned_trees["(96,12)"] <= adaptive.LENGTH_MIN * 2  # (the answers before a length is in)
 
 
 def test_answers_that_end_on_their_own_set_the_length_planned_for():
     """`finish`: the last LENGTH_WINDOW answers that ended on their own (not at max_new_tokens);
-    once LENGTH_MIN of them are longer than the answer so far, the tokens left are the median of
+    once LENGTH_MIN (one) of them are longer than the answer so far, the tokens left are the median of
     what they had left, capped by max_new_tokens; an answer longer than every one of them goes
     back to max_new_tokens."""
     planner = _planner(AcceptanceVector((0.8, 0.1, 0.05)), _flat(draft_s=0.01))
@@ -372,11 +372,17 @@ def test_answers_that_end_on_their_own_set_the_length_planned_for():
     planner.begin(12)
     assert planner.planning_length() == 12  # (max_new_tokens caps it)
     planner.begin(500)
-    planner.done = 15  # two of them longer: too few, max_new_tokens' rest
+    planner.done = 15  # two of them longer: the median of what they had left, (5, 15)
     planner.left = 485
-    assert planner.planning_length() == 485
+    assert planner.planning_length() == 10
     planner.finish(40, ended=True)
     assert planner.planning_length() == 15  # (20, 30, 40) - 15: median 15
+    planner.done = 45  # longer than every one of them: max_new_tokens' rest
+    assert planner.planning_length() == 485
+    fresh = _planner(AcceptanceVector((0.8, 0.1, 0.05)), _flat(draft_s=0.01))
+    fresh.finish(30, ended=True)  # one is enough (LENGTH_MIN)
+    fresh.begin(500)
+    assert fresh.planning_length() == 30
     planner.adapt = False
     planner.finish(1, ended=True)
     assert list(planner.ended) == [10, 20, 30, 40]

@@ -63,7 +63,8 @@ measured is the tokens it did hand out. The length is max_new_tokens, unless ear
 say that answers end sooner with their end-of-sequence token: once LENGTH_MIN of the last
 LENGTH_WINDOW answers that ended on their own (`finish`) are longer than this one so far, the
 tokens left are taken as the median of what those had left, capped by max_new_tokens
-(`planning_length`). The forecast keeps to max_new_tokens, the only bound a step cannot pass.
+(`planning_length`); an answer longer than all of them goes back to max_new_tokens. What was
+learned is kept from one run to the next (`learned`). The forecast keeps to max_new_tokens, the only bound a step cannot pass.
 
 A planner belongs to one request temperature (greedy and sampled requests never share one);
 what it learned carries over from one generation to the next.
@@ -103,7 +104,11 @@ PLAIN_CHECK_EVERY = 48  # tree steps between later checks
 PLAIN_CHECK_BELOW = 2.0  # checks only while the tree is predicted less than this much faster than plain
 TAIL = 2.0  # re-plan after every step once fewer tokens are left than this many steps of the tree's
 LENGTH_WINDOW = 16  # answers that ended on their own whose lengths predict the next one's
-LENGTH_MIN = 3  # ... used once at least this many of them are longer than the answer so far
+# ... used once at least this many of them are longer than the answer so far (one: a length seen
+# once is a better guess than max_new_tokens, which is a cap; an answer that outgrows every one of
+# them goes back to max_new_tokens. Three, until 2026-12-05, left a new chat's first three answers,
+# and the demo's first three runs, planned for 128 tokens where they made 67)
+LENGTH_MIN = 1
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
