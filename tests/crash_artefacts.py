@@ -37,12 +37,14 @@ from offload_engine.fsutil import cache_root
 from offload_engine.planning import profiler
 from offload_engine.planning.hw_profile import load_measured
 from offload_engine.planning.profiler import read_target_part
+from offload_engine.planning import learned
 from offload_engine.speculation import measure
+from sequoia_trees.acceptance import AcceptanceVector
 from offload_engine.runtime.layer_store import open_or_build
 import offload_engine.speculation.drafts as drafts
 
 LABELS = {"models": "sidecar", "stores": "layer store", "drafts": "default draft", "profiles": "profile",
-          "acceptance": "acceptance vectors", "native": "native library"}
+          "acceptance": "acceptance vectors", "native": "native library", "learned": "learned acceptance"}
 # a tiny distillation: two generation batches, about 20 training steps, saved every 3
 DISTILL = dict(layers=1, tokens=200, gen_tokens=80, max_answer_tokens=12, batch_size=2, gen_batch=4,
                val_sequences=3, eval_every=4, save_every=3, lr=3e-3, save_dtype="float32", offload="none")
@@ -234,9 +236,18 @@ class Serve(Artefact):
         return [] if run.query == ref.query else [f"answered {run.query!r}, uninterrupted {ref.query!r}"]
 
     def normalise(self, rel, data):
-        return _timings_blind(data) if rel.startswith(os.path.join("cache", "sequoia-offload", "profiles")) else data
+        # (what a planner learned depends on the trees it ran, and those on the timings: compared
+        # by its fields, as a profile is)
+        measured = any(rel.startswith(os.path.join("cache", "sequoia-offload", kind)) for kind in ("profiles", "learned"))
+        return _timings_blind(data) if measured else data
 
-    validate = Profile.validate
+    def validate(self, ctx, unit):
+        if self.label(unit) != "learned acceptance":
+            return Profile.validate(self, ctx, unit)
+        state = json.loads((ctx.live / unit).read_text())  # (a kill never leaves it half written)
+        prior = AcceptanceVector(tuple(state["prior"]))
+        why = learned.load(ctx.live / unit, prior)[1]
+        return [] if why is None else [f"{unit}: not usable ({why})"]
 
 
 ARTEFACTS = {a.name: a for a in (Sidecar(), Convert(), Store("auto", torch.bfloat16), Store("q4_0", torch.float32),

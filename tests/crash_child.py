@@ -125,6 +125,9 @@ class Run:
         self.killed_by, self.status, self.hung, self.served = None, None, False, False
         self.started = self.duration = self.cpu_s = None
         self.events, self.result, self.log, self.query = [], None, "", None
+        # a server's events before it answered (its query's, such as what the planner learned,
+        # come after; a run killed at an event is never queried, so cannot reach those)
+        self.events_at_served: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -158,7 +161,8 @@ def run_child(art, ctx, first: bool, event_k: int | None = None, delay: float | 
         seen = events()
         on_freeze(kind, value if kind == "delay" else sum(e[0] == "event" for e in seen), seen)
     try:
-        _watch(art, ctx, pid, (start_r, pause_r, cont_w), run, delay, query, sorted(freeze_at), freeze)
+        _watch(art, ctx, pid, (start_r, pause_r, cont_w), run, delay, query, sorted(freeze_at), freeze,
+               lambda: len(events()))
     finally:
         for fd in (start_r, pause_r, cont_w):
             os.close(fd)
@@ -188,7 +192,7 @@ def cpu_s(pid: int) -> float | None:
 
 
 def _watch(art, ctx, pid: int, fds: tuple, run: Run, delay: float | None, query: bool, freeze_at: list,
-           freeze) -> None:
+           freeze, count_events=None) -> None:
     """Follow the child: freeze or kill it when its CPU time since its operation started reaches a
     delay, serve its pauses at events, notice a server answering, and reap it."""
     start_r, pause_r, cont_w = fds
@@ -222,6 +226,8 @@ def _watch(art, ctx, pid: int, fds: tuple, run: Run, delay: float | None, query:
                 break
             if art.server and _healthy(ctx.port):
                 run.served, run.cpu_s = True, cpu
+                if count_events is not None:
+                    run.events_at_served = count_events()
                 if query:
                     run.query = art.query(ctx)
                 os.kill(pid, signal.SIGKILL)

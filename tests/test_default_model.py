@@ -67,12 +67,15 @@ def test_demo_command_streams_an_answer():
     # chose plain once, 2026-12-03); which one is right is tests/test_auto_tree.py's business. The
     # draft is named as given (not by its key, model:<fingerprint>)
     first = proc.stdout.splitlines()[0]
-    assert re.fullmatch(r"draft: default, tree (plain|\(\d+,\d+\)), \d+\.\d{3} s/token predicted, "
-                        r"\d+\.\d\dx over plain streamed decoding", first), first
+    # (for the answers' length planned, and, for a tree, the range 8 in 10 answers that long measure)
+    assert re.fullmatch(r"draft: default, tree (plain|\(\d+,\d+\)), \d+\.\d{3} s/token predicted for \d+-token "
+                        r"answers, \d+\.\d\dx over plain streamed decoding"
+                        r"(, 8 in 10 answers of \d+ tokens: \d+\.\d-\d+\.\dx)?", first), first
     last = proc.stdout.splitlines()[-1]
     # the whole product: the default draft, --tree auto's choice and prediction, disk streaming
     assert "tokens/s" in last and "/step" in last and "plain streamed decoding" in last, last
-    assert "GB streamed" in last and "tree auto at T=0 for answers of 128 tokens:" in proc.stderr
+    # (for the 128 tokens the demo asks for, or for the answers' length learned from earlier runs)
+    assert "GB streamed" in last and re.search(r"tree auto at T=0 for answers of \d+ tokens:", proc.stderr)
     # its speed-up stands on plain steps timed after the answer, not on the one or two of the run
     assert "median of 8 plain steps timed after the answer" in last, last
 

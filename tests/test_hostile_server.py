@@ -375,7 +375,7 @@ def test_answers_longer_than_the_deadlines_are_not_cut_and_keep_their_connection
     (["--host", "127.0.0.5"], True), (["--host", "::1"], True), (["--host", "localhost"], True), ([], True),
 ])
 def test_a_non_loopback_host_needs_a_key_or_insecure_no_key(flags, starts, monkeypatch, capsys):
-    def loaded(args):
+    def loaded(args, **kw):
         raise UserError("the model would load now")
     monkeypatch.setattr(cli, "_load", loaded)
     monkeypatch.delenv("SEQUOIA_OFFLOAD_API_KEY", raising=False)
