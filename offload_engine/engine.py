@@ -275,6 +275,7 @@ class Engine:
         # planner learned (`planning.learned`)
         self.remember = False
         self.learned_paths: dict = {}
+        self._learned_warned = False
         self.overlap = False  # the draft grows the next tree during the pass (Engine.load overlap=)
         self.suffix_gated = False  # --draft suffix alone, --tree auto: a `SuffixGate` per temperature
         self.gates: dict = {}
@@ -488,7 +489,7 @@ class Engine:
                     if len(longer) >= LENGTH_MIN:  # (as the planner reads lengths: `planning_length`)
                         expected = max(1, int(statistics.median(longer)))
                         plan_length = expected if plan_length is None else min(plan_length, expected)
-                    vector = learned.vector(state, vector)
+                    vector = learned.vector(state, vector)  # (`learned.load` made sure it makes one)
             plan = auto_tree.plan_auto({t: (vector, vpath)}, prof, max_budget, max_depth, plan_length)[t]
             if state is not None:
                 plan = replace(plan, learned=state, source=f"{plan.source}, {learned.describe(state)}")
@@ -519,6 +520,7 @@ class Engine:
         v._base = self  # keeps the executor's owner alive
         v._finalizer = weakref.finalize(v, lambda: None)
         v.planners, v.gates = {}, {}
+        v.remember = False  # (its planners start afresh from the load's state: they would overwrite the base's)
         if adapt is not None:
             v.adapt = adapt
         if not draft or self.draft is None:
@@ -699,10 +701,6 @@ class Engine:
         finish = "stop" if eos or stream.stopped else "length"
         if planner is not None:  # (an answer that ended on its own tells the planner how long answers are)
             planner.finish(len(new) - 1, finish == "stop")
-            if self.remember and planner.adapt and auto.temperature in self.learned_paths:
-                from .planning import learned
-                lpath, prior = self.learned_paths[auto.temperature]
-                learned.save(lpath, prior, planner)
         seconds = time.perf_counter() - start
         suffix_stats = None
         if drafter is not None:  # this request's new text joins its key's store
@@ -725,15 +723,37 @@ class Engine:
                  "overlap": None if not decoder.overlap else {
                      "hits": decoder.ahead_hits, "misses": decoder.ahead_misses, "levels_used": ahead_levels},
                  **self.model.layers.snapshot().minus(before).as_dict()}
+        if planner is not None and self.remember and planner.adapt and auto.temperature in self.learned_paths:
+            self._keep_learned(planner, auto.temperature)  # (after the answer's time is taken)
         return GenerationResult(stream.text, new, finish, stats)
+
+    def _keep_learned(self, planner, temperature: float) -> None:
+        """Write what `planner` learned for the next run (`planning.learned`). A cache that cannot
+        be written costs the next run its head start, not this answer: one line, no error. (Planners
+        of request temperatures that share a plan write one file: the last one's state is kept.)"""
+        from .planning import learned
+        path, prior = self.learned_paths[temperature]
+        try:
+            learned.save(path, prior, planner)
+        except OSError as exc:
+            if not self._learned_warned:
+                self._learned_warned = True
+                print(f"sequoia-offload: cannot keep what the planner learned in {path} ({exc}); "
+                      "the next run starts from the stored vectors", file=sys.stderr)
+
+    def plan_for(self, temperature: float, greedy: bool | None = None):
+        """The auto plan a request at `temperature` starts from: the nearest vector's of the same
+        kind (greedy or sampled) where the engine has one (what the first lines print)."""
+        greedy = temperature == 0 if greedy is None else greedy
+        temps = [k for k in self.auto_plans if (k == 0) == greedy] or list(self.auto_plans)
+        return self.auto_plans[min(temps, key=lambda k: (abs(k - temperature), k))]
 
     def _planner(self, params: SamplingParams):
         """(AutoPlan, OnlinePlanner) for a request's temperature: the plan of the nearest vector
         of the same kind (greedy or sampled, where the engine has one), and a planner of this
         temperature's own, made from that plan on first use."""
         from .planning.adaptive import OnlinePlanner
-        temps = [k for k in self.auto_plans if (k == 0) == params.greedy] or list(self.auto_plans)
-        plan = self.auto_plans[min(temps, key=lambda k: (abs(k - params.temperature), k))]
+        plan = self.plan_for(params.temperature, params.greedy)
         key = round(params.temperature, 3)
         if key not in self.planners:
             self.planners[key] = OnlinePlanner(plan.vector, plan.timings, plan.candidates, self.adapt, plan.choice)

@@ -143,15 +143,19 @@ class Timings:
         t_draft = sum(self.draft(w) for w in widths)
         work = self.draft_factor * t_draft
         over = self.overlapped(n, work)
-        total = (max(t_target, t_target - self.idle(n) + over) + work - over
-                 + self.step_seconds + self.node_seconds * n)
-        if self.idle_seconds:
-            # what the negative constant stands for, the pass's reads done while the draft
-            # computes, hides at most the pass's waits: the pass's compute and the draft's work
-            # run one after the other whatever the fit says (a constant of -0.118 s fitted to
-            # deep trees made a (4, 4) step 0.110 s, under its own 0.139 s pass; it ran 0.205)
-            total = max(total, t_target - self.idle(n) + work)
+        total = self.head(n, over) + work - over
         return max(0.25 * t_target, total), t_target, t_draft
+
+    def head(self, n: int, over: float = 0.0) -> float:
+        """A tree step's part that is not the draft's work before the pass: the pass over n
+        tokens (with `over` seconds of draft work grown in its waits), the step's constant and
+        per-node terms. Where the waits are known, never under the pass's compute: what a negative
+        constant stands for, the pass's reads done while the draft computes, hides at most the
+        waits (a constant of -0.118 s fitted to deep trees made a (4, 4) step 0.110 s, under its
+        own 0.139 s pass; it ran 0.205)."""
+        t_target, idle = self.target(n), self.idle(n)
+        part = max(t_target, t_target - idle + over) + self.step_seconds + self.node_seconds * n
+        return max(part, t_target - idle + over) if self.idle_seconds else part
 
 
 @dataclass(frozen=True)

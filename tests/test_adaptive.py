@@ -542,3 +542,22 @@ def test_a_partial_refill_never_lets_a_stale_wide_tree_win():
             unrestricted = planner.candidates.best(planner.timing.timings(), length=planner.planning_length())
             stale_would_win += unrestricted.budget > fresh
     assert stale_would_win > 0  # (else this test would not tell the fix from its absence)
+
+
+def test_a_step_on_its_floor_teaches_a_factor_of_one():
+    """A profile whose fitted constant (-0.118 s) would take a small tree's step under its own
+    pass: `Timings.step` floors it at the pass's compute plus the draft's work. Steps that cost
+    exactly that teach a target factor of 1, and the adapted step is the profile's: the factor is
+    learned against the same floored model it is applied to (learned against the unfloored one it
+    came out 5.2, and the adapted step 2.4x the measured one)."""
+    base = Timings((1, 4, 64), (0.10, 0.139, 0.30), (1, 4, 16), (0.02, 0.022, 0.03), step_seconds=-0.118,
+                   idle_seconds=(0.04, 0.05, 0.08))
+    t = TimingEstimate(base)
+    widths = (1, 1, 2)
+    step, _, _ = base.step(4, widths)
+    draft = t.draft_part(4, widths)
+    assert step == pytest.approx(0.139 - 0.05 + draft)  # (on the floor)
+    for _ in range(20):
+        t.observe(4, widths, StepTimes(draft=draft, target=step - draft - 1e-4, total=step))
+    assert t.factor("target") == pytest.approx(1.0, rel=1e-3)
+    assert t.timings().step(4, widths)[0] == pytest.approx(step, rel=1e-3)

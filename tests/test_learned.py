@@ -117,38 +117,75 @@ def test_learned_answer_lengths_plan_the_load_time_choice(pair, fake_profile):
     assert state["ended"] == [6, 6, 6]
     with _load(pair, remember=True, plan_tokens=128) as eng:
         plan = eng.auto_plans[0.0]
-        assert plan.length == 6 and "3 of which ended on their own" in plan.source
+        assert plan.length == 6 and "the lengths of the last 3 that ended on their own" in plan.source
         assert plan.choice == plan.candidates.best(plan.timings, length=6)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "other-prior", "negative", "more-accepted-than-tried"])
+DAMAGES = {  # a cache file anyone could have written: each is skipped, none stops the load
+    "garbage": lambda good: '{"version": 1, "accepted": [',
+    "nested": lambda good: "[" * 100_000 + "]" * 100_000,
+    "long-digits": lambda good: json.dumps({**good, "tree_steps": 0}).replace('"tree_steps": 0', '"tree_steps": ' + "9" * 5000),
+    "huge-int": lambda good: json.dumps({**good, "accepted": [10 ** 400] + good["accepted"][1:]}),
+    "huge-length": lambda good: json.dumps({**good, "ended": [10 ** 400]}),
+    "too-many-lengths": lambda good: json.dumps({**good, "ended": [5] * 17}),
+    "other-prior": lambda good: json.dumps({**good, "prior": [0.5] + good["prior"][1:]}),
+    "other-hazards": lambda good: json.dumps({**good, "prior_hazards": [0.5] * len(good["prior"])}),
+    "negative": lambda good: json.dumps({**good, "at_risk": [-1.0] + good["at_risk"][1:]}),
+    "more-accepted-than-tried": lambda good: json.dumps({**good, "accepted": [x + 100.0 for x in good["accepted"]]}),
+    # (a hazard of 1.000001 made a negative probability, and the vector refused it)
+    "slack": lambda good: json.dumps({**good, "accepted": [0.0] * len(good["prior"]),
+                                      "at_risk": [0.0] * len(good["prior"])}).replace(
+        '"accepted": [0.0', '"accepted": [1e-06', 1).replace('"prior_hazards": [', '"prior_hazards": [', 1),
+    "a-list": lambda good: json.dumps([good]),
+    "bool-counts": lambda good: json.dumps({**good, "generations": True}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_a_learned_file_that_does_not_fit_is_ignored_with_a_note_and_replaced(pair, fake_profile, capsys, damage):
     from offload_engine import Engine
     with _load(pair, remember=True) as eng:
         path, stored = eng.learned_paths[0.0]
         eng.generate(PROMPT, max_new_tokens=24)
     good = json.loads(path.read_text())
-    bad = dict(good)
-    if damage == "garbage":
-        path.write_text('{"version": 1, "accepted": [')
-    else:
-        if damage == "other-prior":
-            bad["prior"] = [0.5] + bad["prior"][1:]
-        elif damage == "negative":
-            bad["at_risk"] = [-1.0] + bad["at_risk"][1:]
-        else:
-            bad["accepted"] = [x + 100.0 for x in bad["accepted"]]
-        path.write_text(json.dumps(bad))
+    path.write_text(DAMAGES[damage](good))
     capsys.readouterr()
     eng = Engine.load(pair[0], draft=pair[1], tree="auto", progress=True, remember=True)
     eng.eos_token_ids = frozenset()
     with eng:
         err = capsys.readouterr().err
         assert f"not using {path}" in err and "starts from" in err, err
+        assert "Traceback" not in err
         assert eng.auto_plans[0.0].learned is None and eng.auto_plans[0.0].vector.probs == stored.probs
         eng.generate(PROMPT, max_new_tokens=24)
     assert learned.load(path, stored)[1] is None  # (replaced by a usable state)
     assert not list(path.parent.glob(".*tmp*"))  # (written whole: no temporary left)
+
+
+def test_a_cache_that_cannot_be_written_costs_the_next_run_not_this_answer(pair, fake_profile, capsys):
+    """The learned folder's place taken by a file: the answer is whole and exact, one line says the
+    state is not kept (once), and nothing is left behind."""
+    plain = greedy_past_eos(pair[0], PROMPT, 24)[0].token_ids
+    learned.folder().parent.mkdir(parents=True, exist_ok=True)
+    learned.folder().write_text("not a folder")
+    capsys.readouterr()
+    with _load(pair, remember=True) as eng:
+        assert [eng.generate(PROMPT, max_new_tokens=24).token_ids for _ in range(2)] == [plain, plain]
+    err = capsys.readouterr().err
+    assert err.count("cannot keep what the planner learned") == 1 and "Traceback" not in err, err
+    assert learned.folder().read_text() == "not a folder"
+
+
+def test_a_variant_of_a_remembering_engine_keeps_nothing(pair, fake_profile):
+    """`Engine.variant` (the benchmarks' modes on one engine) starts its planners afresh from the
+    load's state: they would overwrite the base's file, so they write nothing."""
+    with _load(pair, remember=True) as eng:
+        path = eng.learned_paths[0.0][0]
+        v = eng.variant()
+        v.generate(PROMPT, max_new_tokens=24)
+        assert not path.exists()
+        eng.generate(PROMPT, max_new_tokens=24)
+        assert path.exists()
 
 
 def test_the_cli_remembers_unless_told_to_forget(pair, fake_profile, tmp_path, capsys):

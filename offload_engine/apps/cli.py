@@ -412,7 +412,7 @@ def _draft_line(engine, temperature: float) -> str:
     name = engine.draft_name or engine.draft_key or "given"
     if not engine.auto_plans:
         return f"draft: {name}, {engine.tree.kind} tree of {engine.tree.max_nodes} nodes (fixed, no prediction)"
-    plan = engine.auto_plans[min(engine.auto_plans, key=lambda t: (abs(t - temperature), t))]
+    plan = engine.plan_for(temperature)
     c = plan.choice
     tree = "plain" if c.budget == 1 else f"({c.budget},{c.depth})"
     tokens = None if plan.length is None else plan.length + 1

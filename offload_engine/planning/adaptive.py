@@ -183,11 +183,14 @@ class TimingEstimate:
         values = list(self._ratios[part])
         return statistics.median(values + [1.0] * max(0, PRIOR_STEPS - len(values)))
 
-    def target_part(self, n: int) -> float:
+    def target_part(self, n: int, widths: tuple[int, ...] = ()) -> float:
         """The profile's prediction for the target's part of a tree step (n > 1; a plain step is
-        `base.plain()`), with the floor `Timings.step` puts under a whole step."""
+        `base.plain()`): `Timings.head`, its floors included (the part a measured step's
+        target and rest are compared with, so that the factor learned is the one `timings()`
+        applies to the same model)."""
         b = self.base
-        return max(0.25 * b.target(n), b.target(n) + b.step_seconds + b.node_seconds * n)
+        work = b.draft_factor * sum(b.draft(w) for w in widths)
+        return max(0.25 * b.target(n), b.head(n, b.overlapped(n, work)))
 
     def draft_part(self, n: int, widths: tuple[int, ...]) -> float:
         """The profile's prediction for the draft's part of a step before its pass: its work less
@@ -203,7 +206,7 @@ class TimingEstimate:
         if n == 1:
             self._add("plain", (times.target + times.rest) / self.base.plain())
             return
-        self._add("target", (times.target + times.rest) / self.target_part(n))
+        self._add("target", (times.target + times.rest) / self.target_part(n, widths))
         predicted = self.draft_part(n, widths)
         if predicted > 1e-9:  # (none when the pass before is predicted to have grown it all)
             self._add("draft", (times.draft - times.catch_up) / predicted)

@@ -93,13 +93,15 @@ def speedup_spread(cands: Candidates, choice: Choice, plain_s: float, length: in
     tree's steps, plain decoding's), each off its prediction by the profile's cross-validated
     error `error` (a mean absolute relative error, sigma = error * sqrt(pi / 2) for a normal
     one), so the ratio is spread log-normally with sigma = error * sqrt(pi) (the two taken as
-    independent). None for plain decoding and long answers (length None)."""
-    if choice.budget == 1 or length is None or not math.isfinite(choice.seconds_per_step):
+    independent). None for plain decoding and long answers (length None, or over
+    SPREAD_MAX_LENGTH tokens)."""
+    if (choice.budget == 1 or length is None or not math.isfinite(choice.seconds_per_step)
+            or length > SPREAD_MAX_LENGTH):  # (a long answer's spread is narrow, and costs L^2 here)
         return None
     pmf = cands.step_tokens(choice.budget, choice.depth)
     if pmf is None:
         return None
-    length = max(1, min(int(length), SPREAD_MAX_LENGTH))
+    length = max(1, int(length))
     dist = steps_distribution(pmf, length)
     steps = np.nonzero(dist > 1e-12)[0]
     probs = dist[steps] / dist[steps].sum()

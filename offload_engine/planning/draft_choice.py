@@ -148,8 +148,10 @@ class DraftChoice:
         t = temperature if temperature is not None else self.temperature
         count = sum(1 for x in self.candidates if not x.dropped)
         if self.plans:  # (the loaded engine's plan: its length may be its learned answers', `learned`)
+            greedy = (t or 0.0) == 0
+            kind = [k for k in self.plans if (k == 0) == greedy] or list(self.plans)
             from .auto_tree import spread_text
-            plan = self.plans[min(self.plans, key=lambda k: (abs(k - (t or 0.0)), k))]
+            plan = self.plans[min(kind, key=lambda k: (abs(k - (t or 0.0)), k))]
             ch, tokens = plan.choice, None if plan.length is None else plan.length + 1
             span = f" for {tokens}-token answers" if tokens is not None else ""
             return (f"draft auto: {c.name}, tree {_tree(ch)}, {ch.seconds_per_token:.3f} s/token predicted{span}, "

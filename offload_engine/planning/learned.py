@@ -50,39 +50,59 @@ def path_for(target_fingerprint: str, draft_key: str, temperature: float, prior:
     return folder() / f"{digest}.json"
 
 
+MAX_COUNT = 1e6  # a decayed count never comes near this (the prior's 8, about 33 of evidence)
+MAX_LENGTH = 10 ** 7  # tokens of an answer
+MAX_STEPS = 10 ** 12
+
+
 def load(path: Path, prior: AcceptanceVector) -> tuple[dict | None, str | None]:
     """(state, None) when `path` holds a usable state learned from `prior`; (None, why) when it
-    is there but unusable; (None, None) when there is none."""
-    if not path.exists():
-        return None, None
+    is there but unusable (whatever it holds: it is a cache file anyone could have written);
+    (None, None) when there is none."""
     try:
+        if not path.exists():
+            return None, None
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"it does not parse ({exc.__class__.__name__})"
-    why = _invalid(state, prior)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return None, f"it cannot be read ({exc.__class__.__name__})"
+    try:
+        why = _invalid(state, prior)
+        if why is None:
+            vector(state, prior)  # (it must make a vector: hazards within [0, 1])
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError) as exc:
+        why = f"it does not make an acceptance vector ({exc.__class__.__name__})"
     return (None, why) if why else (state, None)
 
 
+def _number(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x) and 0 <= x <= MAX_COUNT
+
+
+def _count(x, most: int) -> bool:
+    return type(x) is int and 0 <= x <= most
+
+
 def _invalid(state, prior: AcceptanceVector) -> str | None:
+    from .adaptive import LENGTH_WINDOW, AcceptanceEstimate
     if not isinstance(state, dict) or state.get("version") != VERSION:
         return "another version"
     w = prior.width
     lists = {k: state.get(k) for k in ("prior", "prior_hazards", "accepted", "at_risk")}
     for k, v in lists.items():
-        if not isinstance(v, list) or len(v) != w or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v):
-            return f"its {k!r} is not {w} finite non-negative numbers"
-    if any(h > 1.0 for h in lists["prior_hazards"]):
-        return "its prior hazards are not probabilities"
+        if not isinstance(v, list) or len(v) != w or not all(_number(x) for x in v):
+            return f"its {k!r} is not {w} numbers within 0 and {MAX_COUNT:g}"
     if any(abs(a - b) > 1e-9 for a, b in zip(lists["prior"], prior.probs)):
         return "it was learned from another stored vector"
-    if any(a > n + 1e-6 for a, n in zip(lists["accepted"], lists["at_risk"])):
+    if any(abs(a - b) > 1e-9 for a, b in zip(lists["prior_hazards"], AcceptanceEstimate(prior).prior_h)):
+        return "its prior hazards are not the stored vector's"
+    if any(a > n for a, n in zip(lists["accepted"], lists["at_risk"])):
         return "it counts more acceptances than tries"
     ended = state.get("ended")
-    if not isinstance(ended, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ended):
-        return "its answer lengths are not positive integers"
+    if not isinstance(ended, list) or len(ended) > LENGTH_WINDOW or not all(
+            _count(x, MAX_LENGTH) and x > 0 for x in ended):
+        return f"its answer lengths are not at most {LENGTH_WINDOW} counts of tokens"
     for k in ("tree_steps", "generations"):
-        if not isinstance(state.get(k), int) or isinstance(state.get(k), bool) or state[k] < 0:
+        if not _count(state.get(k), MAX_STEPS):
             return f"its {k!r} is not a count"
     return None
 
@@ -104,5 +124,6 @@ def vector(state: dict, prior: AcceptanceVector) -> AcceptanceVector:
 
 
 def describe(state: dict) -> str:
+    k = len(state["ended"])
     return (f"learned from {state['tree_steps']} tree steps of {state['generations']} earlier answers"
-            + (f", {len(state['ended'])} of which ended on their own" if state["ended"] else ""))
+            + (f", the lengths of the last {k} that ended on their own" if k else ""))
