@@ -493,6 +493,8 @@ class Engine:
             plan = auto_tree.plan_auto({t: (vector, vpath)}, prof, max_budget, max_depth, plan_length)[t]
             if state is not None:
                 plan = replace(plan, learned=state, source=f"{plan.source}, {learned.describe(state)}")
+            if self.speed_check is not None:  # (the printed range: `auto_tree.speedup_spread`)
+                plan = replace(plan, spell=self.speed_check.spell)
             self.auto_plans[t] = plan
         self.planners = {}  # made per request temperature on first use (`_planner`)
         if progress:
@@ -760,7 +762,7 @@ class Engine:
             if plan.learned is not None:  # (an earlier run's estimate and lengths: `planning.learned`)
                 self.planners[key].restore(plan.learned)
         planner = self.planners[key]
-        planner.step_error = plan.step_error
+        planner.step_error, planner.spell = plan.step_error, plan.spell
         planner.adapt = self.adapt
         planner.first_checks = self.first_plain_checks
         return plan, planner

@@ -484,6 +484,7 @@ class OnlinePlanner:
         self.ended: deque = deque(maxlen=LENGTH_WINDOW)  # step tokens of recent answers that ended on their own
         self.generations = 0  # finished with adaptation on (restored ones included)
         self.step_error = 0.0  # the profile's cross-validated step error (the printed range's timing part)
+        self.spell = 0.0  # ... and the machine's uncorrected wander from the profile (`SpeedCheck.spell`)
         self.log = GenerationLog(self.current, base.plain())
 
     @property
@@ -516,7 +517,7 @@ class OnlinePlanner:
         if start is not None:  # (before a re-plan can refill the candidates the range is read from)
             from .auto_tree import speedup_spread
             self.log.start_spread = speedup_spread(self.candidates, start, timings.plain(), start.length,
-                                                   self.step_error)
+                                                   self.step_error, spell=self.spell)
         return self.spec()
 
     def _evaluate(self, choice: Choice, timings: Timings) -> Choice | None:

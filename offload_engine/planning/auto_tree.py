@@ -46,12 +46,13 @@ class AutoPlan:
     length: int | None = None  # the tokens the steps make (max_new_tokens - 1) `choice` was made for (None: many)
     learned: dict | None = None  # an earlier run's planner state `vector` comes from (`learned`), else None
     step_error: float = 0.0  # the profile's cross-validated error of a step's time (mean |predicted/measured - 1|)
+    spell: float = 0.0  # how far the machine has wandered from the profile, uncorrected (a log; `SpeedCheck.spell`)
 
     def spread(self) -> tuple[float, float] | None:
         """The speed-up that SPREAD_SHARE of answers of `length` tokens measure over plain
         decoding (`speedup_spread`); None for plain decoding or long answers."""
         return speedup_spread(self.candidates, self.choice, self.plain_seconds_per_token, self.length,
-                              self.step_error)
+                              self.step_error, spell=self.spell)
 
     def for_length(self, length: int | None) -> "AutoPlan":
         """This plan with its choice (and best tree) made for generations of `length` tokens."""
@@ -83,7 +84,7 @@ SPREAD_MAX_LENGTH = 1024
 
 
 def speedup_spread(cands: Candidates, choice: Choice, plain_s: float, length: int | None, error: float = 0.0,
-                   share: float = SPREAD_SHARE) -> tuple[float, float] | None:
+                   share: float = SPREAD_SHARE, spell: float = 0.0) -> tuple[float, float] | None:
     """(low, high): the middle `share` of the speed-ups over plain decoding that answers of
     `length` tokens (the steps' tokens) measure with `choice`'s tree, by the model the choice
     was made with. An answer of L tokens takes N(L) steps, drawn from the tree's own step-token
@@ -93,7 +94,10 @@ def speedup_spread(cands: Candidates, choice: Choice, plain_s: float, length: in
     tree's steps, plain decoding's), each off its prediction by the profile's cross-validated
     error `error` (a mean absolute relative error, sigma = error * sqrt(pi / 2) for a normal
     one), so the ratio is spread log-normally with sigma = error * sqrt(pi) (the two taken as
-    independent). None for plain decoding and long answers (length None, or over
+    independent), and by `spell` more (a log-sigma, added in quadrature): how far the machine's
+    speed has wandered from the profile's, which a prediction carries uncorrected
+    (`SpeedCheck.spell`; on the 2-vCPU machine the plain steps timed after the demo's answer read
+    0.095-0.127 s from one run to the next, where the profile's cross-validated error was 3%). None for plain decoding and long answers (length None, or over
     SPREAD_MAX_LENGTH tokens)."""
     if (choice.budget == 1 or length is None or not math.isfinite(choice.seconds_per_step)
             or length > SPREAD_MAX_LENGTH):  # (a long answer's spread is narrow, and costs L^2 here)
@@ -106,7 +110,7 @@ def speedup_spread(cands: Candidates, choice: Choice, plain_s: float, length: in
     steps = np.nonzero(dist > 1e-12)[0]
     probs = dist[steps] / dist[steps].sum()
     scale = plain_s * length / choice.seconds_per_step  # speed-up = scale / N / f
-    sigma = max(0.0, float(error)) * math.sqrt(math.pi)
+    sigma = math.hypot(max(0.0, float(error)) * math.sqrt(math.pi), max(0.0, float(spell)))
 
     def below(x: float) -> float:  # P(speed-up <= x)
         if sigma == 0:

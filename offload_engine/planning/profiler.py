@@ -260,6 +260,7 @@ class SpeedCheck:
     # (target, draft) seconds of a first reading that moved and was taken again (`speed_now`);
     # None: read once
     first: tuple | None = None
+    second: tuple | None = None  # ... and the second readings, of which the nearer were kept
 
     @staticmethod
     def _ratio(now, then) -> float | None:
@@ -288,11 +289,27 @@ class SpeedCheck:
         """The draft levels' scale: now over the profile's, when the machine moved (else None)."""
         return self._ratio(self.draft_now, self.draft_then) if self.moved else None
 
+    @property
+    def spell(self) -> float:
+        """How far the machine's speed is from the profile's and stays so in the prediction (a
+        log): the larger reading's |log(now / profile)| when the profile is used as measured;
+        when it was rescaled, how far the two readings of a part disagreed (the rescale's own
+        uncertainty). 0 when nothing was read."""
+        if not self.moved:
+            ratios = [now / then for now, then in ((self.target_now, self.target_then),
+                                                   (self.draft_now, self.draft_then)) if now and then]
+            return max((abs(math.log(r)) for r in ratios), default=0.0)
+        if self.first is None or self.second is None:
+            return 0.0
+        pairs = [(a, b) for a, b in zip(self.first, self.second) if a and b]
+        return max((abs(math.log(a / b)) for a, b in pairs), default=0.0)
+
     def as_dict(self) -> dict:
         return {"target_now_s": self.target_now, "target_profile_s": self.target_then,
                 "draft_now_s": self.draft_now, "draft_profile_s": self.draft_then,
                 "target_scale": self.target, "draft_scale": self.draft, "profile_measured_at": self.measured_at,
-                "first_reading_s": None if self.first is None else list(self.first)}
+                "first_reading_s": None if self.first is None else list(self.first),
+                "second_reading_s": None if self.second is None else list(self.second), "spell": self.spell}
 
     def describe(self, done: str = "rescaled to now") -> str:
         """One line: the readings against the profile's and what is done with it (`done`: what
@@ -342,7 +359,7 @@ def speed_now(engine, prof: MeasuredProfile, repeats: int = CHECK_REPEATS) -> Sp
         return min(a, b, key=lambda x: abs(math.log(x / then)))
     return replace(again, target_now=nearer(check.target_now, again.target_now, check.target_then),
                    draft_now=nearer(check.draft_now, again.draft_now, check.draft_then),
-                   first=(check.target_now, check.draft_now))
+                   first=(check.target_now, check.draft_now), second=(again.target_now, again.draft_now))
 
 
 def check_readings(engine, prefix_tokens: int = PREFIX_TOKENS, repeats: int = CHECK_REPEATS, target: bool = True,
