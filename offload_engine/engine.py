@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import statistics
 import sys
 import threading
 import time
@@ -453,7 +452,7 @@ class Engine:
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
                    progress: bool, length: int | None = None) -> None:
         from .planning import auto_tree, learned, profiler
-        from .planning.adaptive import LENGTH_MIN
+        from .planning.adaptive import expected_length
         from .speculation import measure
         # the vectors first: a profile measured now shapes its timed steps' trees by the pair's
         # own (`profiler.shaping_vectors`), the trees the optimizer will then choose among
@@ -484,11 +483,8 @@ class Engine:
                 if why and progress:
                     print(f"sequoia-offload: not using {lpath} ({why}); the planner at T={t:g} starts from "
                           f"{Path(vpath).name}", file=sys.stderr)
-                if state is not None:
-                    longer = [n for n in state["ended"] if n > 0]
-                    if len(longer) >= LENGTH_MIN:  # (as the planner reads lengths: `planning_length`)
-                        expected = max(1, int(statistics.median(longer)))
-                        plan_length = expected if plan_length is None else min(plan_length, expected)
+                if state is not None:  # (the length as the planner will read it at its first answer)
+                    plan_length = expected_length(state["ended"], 0, plan_length)
                     vector = learned.vector(state, vector)  # (`learned.load` made sure it makes one)
             plan = auto_tree.plan_auto({t: (vector, vpath)}, prof, max_budget, max_depth, plan_length)[t]
             if state is not None:

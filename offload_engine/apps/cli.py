@@ -348,6 +348,7 @@ def _auto_summary(stats: dict, auto: dict, yardstick: tuple[float, str] | None =
     """--tree auto: the trees used, measured s/token against the prediction at the start, and the
     speed-up over plain streamed decoding as measured (plain's time as this run's steps measured
     the target) beside the one predicted at the start."""
+    from ..planning.auto_tree import spread_text
     decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
     start = "plain" if auto["budget"] == 1 else f"({auto['budget']},{auto['depth']})"
     text = (f"trees {auto['trees']}{' (adapting)' if auto['adapt'] else ' (--no-adapt)'}; {decode_s:.3f} s/token "
@@ -365,12 +366,7 @@ def _auto_summary(stats: dict, auto: dict, yardstick: tuple[float, str] | None =
         plain, how = auto["adapted_plain_seconds_per_token"], "predicted from this run's steps"
     return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "
             f"{auto['predicted_speedup']:.2f}x predicted at the start"
-            f"{_spread_text(auto.get('predicted_speedup_range'), auto.get('predicted_for_tokens'))})")
-
-
-def _spread_text(spread, tokens: int | None = None) -> str:
-    from ..planning.auto_tree import spread_text
-    return spread_text(spread, tokens)
+            f"{spread_text(auto.get('predicted_speedup_range'), auto.get('predicted_for_tokens'))})")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -412,13 +408,7 @@ def _draft_line(engine, temperature: float) -> str:
     name = engine.draft_name or engine.draft_key or "given"
     if not engine.auto_plans:
         return f"draft: {name}, {engine.tree.kind} tree of {engine.tree.max_nodes} nodes (fixed, no prediction)"
-    plan = engine.plan_for(temperature)
-    c = plan.choice
-    tree = "plain" if c.budget == 1 else f"({c.budget},{c.depth})"
-    tokens = None if plan.length is None else plan.length + 1
-    span = f" for {tokens}-token answers" if tokens is not None else ""
-    return (f"draft: {name}, tree {tree}, {c.seconds_per_token:.3f} s/token predicted{span}, "
-            f"{plan.predicted_speedup:.2f}x over plain streamed decoding{_spread_text(plan.spread(), tokens)}")
+    return f"draft: {name}, {engine.plan_for(temperature).line()}"
 
 
 def _model_line(engine) -> str:

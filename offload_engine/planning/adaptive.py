@@ -114,6 +114,18 @@ REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
 
 
+def expected_length(ended, done: int, left: int | None) -> int | None:
+    """The tokens an answer's steps are expected to make still, `done` made and at most `left`
+    allowed (None: unbounded): the median of what the kept lengths of answers that ended on their
+    own (`ended`) had left, once LENGTH_MIN of them are longer than `done`, capped by `left`;
+    else `left`."""
+    longer = [n - done for n in ended if n > done]
+    if len(longer) < LENGTH_MIN:
+        return left
+    expected = max(1, int(statistics.median(longer)))
+    return expected if left is None else min(left, expected)
+
+
 class AcceptanceEstimate:
     """The acceptance vector from a prior and observed paths: per rank r, the hazard
     h_r = P(rank r accepted | ranks < r rejected) has a Beta posterior whose prior mean is the
@@ -526,11 +538,7 @@ class OnlinePlanner:
     def planning_length(self) -> int | None:
         """The tokens the steps are expected to make still: max_new_tokens' rest, or less where
         earlier answers that ended on their own say so (see the module's docstring)."""
-        longer = [n - self.done for n in self.ended if n > self.done]
-        if len(longer) < LENGTH_MIN:
-            return self.left
-        expected = max(1, int(statistics.median(longer)))
-        return expected if self.left is None else min(self.left, expected)
+        return expected_length(self.ended, self.done, self.left)
 
     def finish(self, tokens: int, ended: bool) -> None:
         """A generation's end: its steps made `tokens`; `ended`: by its end-of-sequence token or

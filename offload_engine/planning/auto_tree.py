@@ -54,6 +54,17 @@ class AutoPlan:
         return speedup_spread(self.candidates, self.choice, self.plain_seconds_per_token, self.length,
                               self.step_error, spell=self.spell)
 
+    def line(self) -> str:
+        """'tree (16,16), 0.036 s/token predicted for 67-token answers, 2.67x over plain streamed
+        decoding, 8 in 10 answers of 67 tokens: 2.2-3.3x': what the first lines of `demo` and
+        `chat` say of the draft's plan."""
+        c = self.choice
+        tree = "plain" if c.budget == 1 else f"({c.budget},{c.depth})"
+        tokens = None if self.length is None else self.length + 1  # (the prefill's token included)
+        span = f" for {tokens}-token answers" if tokens is not None else ""
+        return (f"tree {tree}, {c.seconds_per_token:.3f} s/token predicted{span}, "
+                f"{self.predicted_speedup:.2f}x over plain streamed decoding{spread_text(self.spread(), tokens)}")
+
     def for_length(self, length: int | None) -> "AutoPlan":
         """This plan with its choice (and best tree) made for generations of `length` tokens."""
         if length == self.length:

@@ -105,8 +105,8 @@ class DraftChoice:
     chosen: str
     temperature: float | None
     length: int | None = None  # the answers' tokens (max_new_tokens) it was chosen for (None: long ones)
-    # the chosen draft's loaded engine's auto plans (`refresh`): the summary says what they predict
-    plans: dict | None = field(default=None, repr=False, compare=False)
+    # the chosen draft's loaded engine's `Engine.plan_for` (`refresh`): the summary says what its plans predict
+    plan_for: object = field(default=None, repr=False, compare=False)
 
     @property
     def best(self) -> Candidate:
@@ -130,7 +130,7 @@ class DraftChoice:
         c = self.best
         if c.name == "none" or not engine.auto_plans:
             return
-        self.plans = engine.auto_plans
+        self.plan_for = engine.plan_for
         pooled = dict(c.plain)
         _fill(c, engine)
         for t, own in c.plain_measured.items():
@@ -147,15 +147,8 @@ class DraftChoice:
         c = self.best
         t = temperature if temperature is not None else self.temperature
         count = sum(1 for x in self.candidates if not x.dropped)
-        if self.plans:  # (the loaded engine's plan: its length may be its learned answers', `learned`)
-            greedy = (t or 0.0) == 0
-            kind = [k for k in self.plans if (k == 0) == greedy] or list(self.plans)
-            from .auto_tree import spread_text
-            plan = self.plans[min(kind, key=lambda k: (abs(k - (t or 0.0)), k))]
-            ch, tokens = plan.choice, None if plan.length is None else plan.length + 1
-            span = f" for {tokens}-token answers" if tokens is not None else ""
-            return (f"draft auto: {c.name}, tree {_tree(ch)}, {ch.seconds_per_token:.3f} s/token predicted{span}, "
-                    f"{plan.predicted_speedup:.2f}x over plain streamed decoding{spread_text(plan.spread(), tokens)} "
+        if self.plan_for is not None:  # (the loaded engine's plan: its length may be its learned answers')
+            return (f"draft auto: {c.name}, {self.plan_for(t or 0.0).line()} "
                     f"({count} candidates; `plan --draft auto` lists them)")
         key = min(c.trees, key=lambda k: abs(float(k) - (t or 0.0))) if c.trees else None
         tree = c.at(key, self.length)[1] if key is not None else "plain"
