@@ -38,8 +38,8 @@ def _load(pair, **kw):
 
 
 def test_a_restored_estimate_goes_on_exactly_as_the_one_it_was_saved_from():
-    """Evidence A, the state saved and restored into a fresh estimate, then evidence B: the same
-    counts (to rounding) as one estimate that saw A and B."""
+    """Evidence A (an answer), the state saved and restored into a fresh estimate, then evidence B
+    (the next answer): the same counts (to rounding) as one estimate that saw A and B."""
     prior = AcceptanceVector((0.6, 0.2, 0.1, 0.05))
     rng = random.Random(5)
     evidence = [(rng.randint(1, 4), rng.choice([None, 0, 0, 1, 2])) for _ in range(300)]
@@ -53,6 +53,9 @@ def test_a_restored_estimate_goes_on_exactly_as_the_one_it_was_saved_from():
             one.fade()
             if i < 150:
                 first.fade()
+        if i == 149:  # (the first answer ends: saved between answers, as `learned.save` is)
+            one.end_generation()
+            first.end_generation()
     second = AcceptanceEstimate(AcceptanceVector((0.9, 0.1, 0.0, 0.0)))  # (another prior: overwritten)
     state = json.loads(json.dumps({"h": first.prior_h, "a": first.accepted, "n": first.at_risk, "s": first.steps}))
     second.restore(state["h"], state["a"], state["n"], state["s"])
@@ -62,6 +65,9 @@ def test_a_restored_estimate_goes_on_exactly_as_the_one_it_was_saved_from():
         if i % 3 == 2:
             second.fade()
     assert second.steps == one.steps == 100
+    assert second.hazards() == pytest.approx(one.hazards(), rel=1e-12)  # (within the second answer)
+    one.end_generation()
+    second.end_generation()
     assert second.hazards() == pytest.approx(one.hazards(), rel=1e-12)
     assert second.vector().probs != prior.probs  # (the evidence moved it: the comparison means something)
 

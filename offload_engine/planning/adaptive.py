@@ -6,10 +6,12 @@ After every speculation step the planner records what the step measured:
   * the acceptance evidence: along the accepted path, each node with children either accepted
     its child of rank r (ranks 0..r-1 were tried and rejected) or had all its k children
     rejected. `AcceptanceEstimate` turns these into the hazard of each rank (the chance rank r
-    is accepted when ranks below it were not), a Beta posterior per rank whose prior is the
-    stored or measured vector counted as PRIOR_NODES observations; older evidence (the prior's
-    too) fades by ACCEPT_FORGET per tree step, so a conversation that turns from chat to code is
-    followed;
+    is accepted when ranks below it were not) on two levels. Within an answer, a Beta posterior
+    per rank whose prior is the pair's estimate counted as GEN_PRIOR observations; the answer's
+    evidence and that prior fade by ACCEPT_FORGET per tree step, so an answer that turns from
+    chat to code is followed. The pair's estimate starts as the stored or measured vector and
+    moves LONG_RATE of the way to each answer's at its end: every answer counts alike, and one
+    hard prompt does not set the trees of the next;
   * the timing evidence: the draft's part of the step and the target's (its pass, the
     verification, the commits), each against what the profile's step model predicts for that
     tree. `TimingEstimate` keeps one factor for each, the median of the last WINDOW steps'
@@ -89,8 +91,14 @@ from sequoia_trees.verify import VerifyResult
 from ..speculation.decoder import StepTimes, TreeSpec
 from ..speculation.suffix import SuffixProposal
 
-PRIOR_NODES = 8.0  # the prior vector counts as this many observed nodes (at first)
-ACCEPT_FORGET = 0.97  # per tree step: evidence 35 steps old weighs a third
+PRIOR_NODES = 8.0  # the prior vector counts as this many observed nodes in the pair's counts (at first)
+ACCEPT_FORGET = 0.97  # per tree step within an answer: evidence 35 steps old weighs a third
+GEN_PRIOR = 16.0  # at an answer's start the pair's hazards count as this many observed nodes (fading)
+# each answer moves the pair's hazards this much of the way to its own (the last few answers
+# weigh most). Until 2026-12-05 one estimate ran across answers, each node one observation: a
+# hard first prompt (self-q8 at T=0, 8 rejections in about 100 nodes) put the next answers on
+# (8, 8) trees whose every step was accepted whole, where (24, 20) made 19.5 tokens a step
+LONG_RATE = 0.25
 PRIOR_STEPS = 3  # the profile's timings fill this many places of a short window
 WINDOW = 7  # steps whose median ratio is a timing factor
 EVERY = 4  # steps between re-plans
@@ -127,11 +135,18 @@ def expected_length(ended, done: int, left: int | None) -> int | None:
 
 
 class AcceptanceEstimate:
-    """The acceptance vector from a prior and observed paths: per rank r, the hazard
-    h_r = P(rank r accepted | ranks < r rejected) has a Beta posterior whose prior mean is the
-    prior vector's hazard, worth PRIOR_NODES observations at first; the prior fades with the
-    evidence (what the run measures wins in the end), down to a permanent anchor of one
-    observation; p_r = h_r * prod_{j<r} (1 - h_j)."""
+    """The acceptance vector from a prior and observed paths, on two levels: the pair's (what this
+    draft does on this user's prompts, from answer to answer) and this answer's.
+
+    Per rank r, the hazard h_r = P(rank r accepted | ranks < r rejected). The pair's hazards are
+    decayed counts anchored to the prior vector (worth PRIOR_NODES observations at first, and
+    always one: `pair_hazards`); they move once per answer, at its end (`end_generation`), a
+    LONG_RATE step towards what that answer measured, so that every answer counts alike whatever
+    its length, and one hard prompt does not set the next one's trees. Within an answer, the
+    answer's own evidence (decayed by ACCEPT_FORGET per step, so that an answer that turns from
+    chat to code is followed) is weighed against the pair's hazards worth GEN_PRIOR observations
+    at the answer's start, fading with the evidence down to one: a Beta posterior per rank
+    (`hazards`). p_r = h_r * prod_{j<r} (1 - h_j)."""
 
     def __init__(self, prior: AcceptanceVector, strength: float | None = None, forget: float | None = None):
         strength = PRIOR_NODES if strength is None else strength
@@ -140,17 +155,23 @@ class AcceptanceEstimate:
         for p in prior.probs:
             self.prior_h.append(min(1.0, p / left) if left > 1e-12 else 0.0)
             left -= p
-        # decayed counts, the prior's pseudo-observations included
+        # the pair's counts, the prior's pseudo-observations included
         self.accepted = [strength * h for h in self.prior_h]
         self.at_risk = [strength] * self.width
+        # this answer's evidence (decayed counts)
+        self.gen_accepted = [0.0] * self.width
+        self.gen_at_risk = [0.0] * self.width
+        self.gen_prior = GEN_PRIOR  # what the pair's hazards weigh in this answer (fading)
         self.steps = 0  # tree steps observed (restored ones included: `learned`)
 
     def restore(self, prior_h: list[float], accepted: list[float], at_risk: list[float], steps: int) -> None:
         """Go on from an earlier estimate's state (`planning.learned`): its anchor (the stored
-        prior's hazards) and its decayed counts."""
+        prior's hazards) and its pair counts (saved between answers: no answer's evidence open)."""
         if not len(prior_h) == len(accepted) == len(at_risk) == self.width:
             raise ValueError(f"an estimate of width {self.width} cannot take a state of width {len(accepted)}")
         self.prior_h, self.accepted, self.at_risk = list(prior_h), list(accepted), list(at_risk)
+        self.gen_accepted, self.gen_at_risk = [0.0] * self.width, [0.0] * self.width
+        self.gen_prior = GEN_PRIOR
         self.steps = int(steps)
 
     def observe(self, children: int, rank: int | None) -> None:
@@ -158,18 +179,41 @@ class AcceptanceEstimate:
         every child rejected)."""
         tried = min(children, self.width) if rank is None else min(rank + 1, self.width)
         for r in range(tried):
-            self.at_risk[r] += 1.0
+            self.gen_at_risk[r] += 1.0
         if rank is not None and rank < self.width:
-            self.accepted[rank] += 1.0
+            self.gen_accepted[rank] += 1.0
 
     def fade(self) -> None:
-        """Once per step: older evidence weighs less."""
-        self.accepted = [a * self.forget for a in self.accepted]
-        self.at_risk = [n * self.forget for n in self.at_risk]
+        """Once per step: this answer's older evidence weighs less."""
+        self.gen_accepted = [a * self.forget for a in self.gen_accepted]
+        self.gen_at_risk = [n * self.forget for n in self.gen_at_risk]
+        self.gen_prior = max(1.0, self.gen_prior * self.forget)
         self.steps += 1
 
-    def hazards(self) -> list[float]:
+    def pair_hazards(self) -> list[float]:
+        """The pair's hazards: what a new answer starts from."""
         return [(a + h) / (n + 1.0) for a, n, h in zip(self.accepted, self.at_risk, self.prior_h)]
+
+    def hazards(self) -> list[float]:
+        w = self.gen_prior
+        return [(ga + w * h) / (gn + w) for ga, gn, h in zip(self.gen_accepted, self.gen_at_risk, self.pair_hazards())]
+
+    def end_generation(self) -> None:
+        """An answer's end: the pair's hazards move LONG_RATE of the way to this answer's (ranks it
+        saw no evidence for stay), and the answer's evidence is closed. (The counts keep their
+        at-risk totals, so the prior's anchor weighs as before: a hazard is held within
+        h_prior / (n + 1) and (n + h_prior) / (n + 1).)"""
+        if not any(self.gen_at_risk):
+            return
+        now = self.hazards()
+        for r, (h_pair, h_gen) in enumerate(zip(self.pair_hazards(), now)):
+            if self.gen_at_risk[r] <= 0.0:
+                continue
+            target = (1.0 - LONG_RATE) * h_pair + LONG_RATE * h_gen
+            n = self.at_risk[r]
+            self.accepted[r] = min(n, max(0.0, target * (n + 1.0) - self.prior_h[r]))
+        self.gen_accepted, self.gen_at_risk = [0.0] * self.width, [0.0] * self.width
+        self.gen_prior = GEN_PRIOR
 
     def vector(self) -> AcceptanceVector:
         probs, left = [], 1.0
@@ -523,7 +567,11 @@ class OnlinePlanner:
         self.done = 0
         timings = self.timing.timings()
         if self.adapt:
-            self._rechoose(timings)
+            # (an answer cut off before `finish` counts once; the new one starts from the pair's
+            # hazards, the table refilled where they moved)
+            self.accept.end_generation()
+            if not self._replan():
+                self._rechoose(timings)
         start = self._evaluate(self._next(), timings)
         self.log = GenerationLog(start, timings.plain())
         if start is not None:  # (before a re-plan can refill the candidates the range is read from)
@@ -546,6 +594,7 @@ class OnlinePlanner:
         if ended and tokens > 0 and self.adapt:
             self.ended.append(int(tokens))
         if self.adapt:
+            self.accept.end_generation()  # (this answer's evidence into the pair's hazards)
             self.generations += 1
 
     def learned_state(self) -> dict:
@@ -741,11 +790,13 @@ class OnlinePlanner:
             self.accept.observe(k, result.accepted_ranks[i] if i < len(result.accepted) else None)
         self.accept.fade()
 
-    def _replan(self) -> None:
+    def _replan(self) -> bool:
+        """Refill the table if the estimate moved, and re-choose; False when the re-planning
+        time allowance (REPLAN_SHARE) is spent and nothing ran."""
         self.since_replan = 0
         allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
         if allowance <= 0:
-            return
+            return False
         t0 = time.perf_counter()
         vector = self.accept.vector()
         moved = sum(abs(a - b) for a, b in zip(vector.probs, self._table_vector.probs))
@@ -766,6 +817,7 @@ class OnlinePlanner:
         self.log.replans += 1
         self.log.replan_seconds += spent
         self.replan_seconds += spent
+        return True
 
     def predicted_plain(self) -> float:
         return self.timing.timings().plain()
