@@ -231,8 +231,11 @@ def test_a_broken_verifier_fails_the_same_test(models, paths, pool, kind):
 # (plain checks every 40 tree steps: they run, between trees, without making the plain steps so
 # many that the control's bias is diluted; the timing evidence is frozen below, so every check
 # waits PLAIN_CHECK_FIRST)
-ADAPT_CONSTANTS = {"EVERY": 1, "HYSTERESIS": 0.0, "PRIOR_NODES": 1.0, "GEN_PRIOR": 1.0, "ACCEPT_FORGET": 0.5,
-                   "PROBE_EVERY": 2, "REPLAN_SHARE": 100.0, "PLAIN_CHECK_FIRST": 40, "PLAIN_CHECK_EVERY": 40}
+# (LONG_RATE 1: each sample is an answer of one or two steps, and the next one starts from its
+# evidence whole, so that the trees keep switching as they did with one estimate across answers)
+ADAPT_CONSTANTS = {"EVERY": 1, "HYSTERESIS": 0.0, "PRIOR_NODES": 1.0, "GEN_PRIOR": 1.0, "LONG_RATE": 1.0,
+                   "ACCEPT_FORGET": 0.5, "PROBE_EVERY": 2, "REPLAN_SHARE": 100.0, "PLAIN_CHECK_FIRST": 40,
+                   "PLAIN_CHECK_EVERY": 40}
 
 
 def sample_two_tokens_adaptive(target, draft, n, seed):
