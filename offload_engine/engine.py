@@ -261,6 +261,13 @@ class Engine:
         self.stored_acceptance: dict = {}
         self.auto_plans: dict = {}  # --tree auto: temperature -> auto_tree.AutoPlan
         self.draft_choice = None  # --draft auto: planning.draft_choice.DraftChoice
+        # --draft auto: what each draft this engine has run learned (its plans and planners, kept
+        # when another replaced it: `switch_draft`), the switches made, and the steps the current
+        # draft has decoded since it was loaded (the evidence a switch waits for)
+        self.draft_states: dict = {}
+        self.draft_switches: list = []
+        self.steps_with_draft = 0
+        self._load_args: dict = {}  # what a draft switch rebuilds a draft and its plans with
         # --tree auto with a cached profile: its readings timed again at load (profiler.SpeedCheck)
         self.speed_check = None
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
@@ -447,6 +454,9 @@ class Engine:
             engine.suffix_gated = draft_model is None and auto and adapt
         if auto and draft_model is not None:
             engine._plan_auto(acceptance, cap_budget, cap_depth, progress, plan_tokens)
+        engine._load_args = dict(group_size=draft_group_size, overlap=overlap, plan_tokens=plan_tokens,
+                                 budget=cap_budget if auto else None, depth=cap_depth if auto else None,
+                                 acceptance=acceptance, progress=progress)
         return engine
 
     def _plan_auto(self, acceptance: AcceptanceVector | None, max_budget: int, max_depth: int,
@@ -519,6 +529,7 @@ class Engine:
         v._finalizer = weakref.finalize(v, lambda: None)
         v.planners, v.gates = {}, {}
         v.remember = False  # (its planners start afresh from the load's state: they would overwrite the base's)
+        v.draft_choice, v.draft_states, v.draft_switches = None, {}, []  # (a switch would change the base's draft)
         if adapt is not None:
             v.adapt = adapt
         if not draft or self.draft is None:
@@ -538,6 +549,113 @@ class Engine:
         elif tree == "auto" and not self.auto_plans:
             raise UserError("--tree auto: this engine was not loaded with it (it has no auto plans)")
         return v
+
+    def _build_draft(self, name: str) -> tuple[Transformer, Path | None]:
+        """The model of draft `name` (a --draft value) beside this engine's loaded target, and its
+        checkpoint folder (None: a self-draft)."""
+        group = self._load_args.get("group_size", DEFAULT_GROUP_SIZE)
+        scheme = self_draft_scheme(name)
+        if scheme is not None:
+            ckpt = open_checkpoint(self.folder, self.config)
+            try:
+                resident = ({i: self.model.layers.resident[i] for i in self.plan.resident_layers}
+                            if is_substitute_draft(name) else None)
+                return build_self_draft(ckpt, self.model, scheme, group, resident=resident), None
+            finally:
+                ckpt.close()
+        _, folder, cfg = _draft_parts(name, self.folder, self.config, self.model.dtype, group, False)
+        _check_same_vocabulary(self.folder, self.config, self.tokenizer, folder, cfg)
+        ckpt = open_checkpoint(folder, cfg)
+        try:
+            ckpt.check()
+            return Transformer.from_checkpoint(ckpt, self.model.dtype, self.model.device,
+                                               packed=is_sidecar(folder)), folder
+        finally:
+            ckpt.close()
+
+    def switch_draft(self, name: str, why: str = "") -> dict:
+        """Put draft `name` (a --draft auto candidate on this engine's target plan) in place of the
+        current one, between answers: the target, its placement and the conversations' target K/V
+        stay; the old draft's model and K/V go (its plans and planners are kept in `draft_states`,
+        so that a switch back goes on from what it learned); the new draft's plans come from its
+        own cached profile and vectors (`_plan_auto`), or from what it learned here before.
+        Exactness is the verification's, as for any draft. Returns the switch's record (also in
+        `draft_switches`)."""
+        import gc
+        if self.draft_choice is None or not self.auto_plans:
+            raise UserError("switch_draft: only an engine loaded with --draft auto and --tree auto switches drafts")
+        if self.suffix_store is not None:
+            raise UserError("switch_draft: not with suffix drafts")
+        t0, old = time.perf_counter(), self.draft_choice.chosen  # (candidates by their names in the table)
+        self.draft_states[old] = dict(display=self.draft_name, model_key=self.draft_key, auto_plans=self.auto_plans,
+                                      planners=self.planners, learned_paths=self.learned_paths,
+                                      overlap=self.overlap, speed_check=self.speed_check)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop(self.draft)  # (a substitute draft has none of its own)
+        self.draft = None
+        gc.collect()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        args = self._load_args
+        try:
+            model, folder = self._build_draft(name)
+        except (UserError, RuntimeError, MemoryError, OSError) as exc:  # (CUDA's out of memory: RuntimeError)
+            self.draft = self._build_draft(old)[0]  # the old one back, as it was
+            self._restore_draft_state(old)
+            raise UserError(f"cannot switch the draft to {name} ({exc}); keeping {old}") from None
+        self.draft = model
+        self.draft_name = name if folder is None or is_model_name(name) else Path(name).name
+        self.draft_key = draft_key(name, folder, args.get("group_size", DEFAULT_GROUP_SIZE),
+                                   len(self.plan.resident_layers))
+        if name in self.draft_states:
+            self._restore_draft_state(name)
+        else:
+            overlap = args.get("overlap", "auto")
+            self.overlap = bool(self.plan.streamed_layers) and (
+                overlap == "on" or (overlap == "auto" and is_substitute_draft(name)))
+            self._plan_auto(args.get("acceptance"), args["budget"], args["depth"], args.get("progress", False),
+                            args.get("plan_tokens"))
+        self.draft_choice.chosen = name
+        self.draft_choice.plan_for = self.plan_for
+        self.steps_with_draft = 0
+        record = {"from": old, "to": name, "seconds": time.perf_counter() - t0, "why": why}
+        self.draft_switches.append(record)
+        return record
+
+    def _restore_draft_state(self, name: str) -> None:
+        state = self.draft_states.pop(name)
+        self.draft_key, self.auto_plans, self.planners = state["model_key"], state["auto_plans"], state["planners"]
+        self.learned_paths, self.overlap = state["learned_paths"], state["overlap"]
+        self.speed_check = state["speed_check"]
+        self.draft_name = state["display"]
+
+    def _consider_switch(self, planner, temperature: float, budget: int) -> dict | None:
+        """After an answer (--draft auto, adapting): switch drafts when what this run measured of
+        the current one says another candidate wins (`draft_choice.switch_target`)."""
+        from .planning.adaptive import expected_length
+        from .planning.draft_choice import adapted_speedup, switch_target
+        length = expected_length(planner.ended, 0, max(1, budget - 1))
+        current = adapted_speedup(planner, length)
+        kept = {name: adapted_speedup(st["planners"][k], length) for name, st in self.draft_states.items()
+                for k in st["planners"] if abs(k - round(temperature, 3)) < 1e-9}
+        mine = self.draft_choice.chosen
+        target = switch_target(self.draft_choice, mine, current, temperature,
+                               None if length is None else length + 1, self.steps_with_draft, kept)
+        if target is None:
+            return None
+        name, predicted = target
+        why = (f"{mine} measured {current:.2f}x over plain on this run's answers; "
+               f"{name} {'measured' if name in kept else 'is predicted'} {predicted:.2f}x")
+        if self._load_args.get("progress", False):
+            print(f"sequoia-offload: draft auto: switching from {mine} to {name} ({why})", file=sys.stderr)
+        try:
+            record = self.switch_draft(name, why)
+        except UserError as exc:
+            print(f"sequoia-offload: {exc}", file=sys.stderr)
+            return None
+        if self._load_args.get("progress", False):
+            print(f"sequoia-offload: draft auto: {name} loaded in {record['seconds']:.1f} s", file=sys.stderr)
+        return record
 
     def forget_prefix(self) -> None:
         """Drop the cached K/V of the last conversation (the next prompt is prefilled whole)."""
@@ -723,6 +841,9 @@ class Engine:
                  **self.model.layers.snapshot().minus(before).as_dict()}
         if planner is not None and self.remember and planner.adapt and auto.temperature in self.learned_paths:
             self._keep_learned(planner, auto.temperature)  # (after the answer's time is taken)
+        if planner is not None and planner.adapt and self.draft_choice is not None and self.suffix_store is None:
+            self.steps_with_draft += steps  # (another draft, where this run says it wins: for the next answer)
+            stats["draft_switch"] = self._consider_switch(planner, params.temperature, budget)
         return GenerationResult(stream.text, new, finish, stats)
 
     def _keep_learned(self, planner, temperature: float) -> None:

@@ -307,3 +307,80 @@ def test_a_cached_tables_chosen_draft_says_what_its_loaded_engine_predicts(folde
     assert own == pytest.approx(plan.for_length(None).choice.seconds_per_token)
     assert f"{plan.choice.seconds_per_token:.3f} s/token predicted" in choice.summary(0.0)
     assert choice.speedup(0.0) == pytest.approx(plan.predicted_speedup, rel=1e-6)
+
+
+def _faster(c, factor: float) -> None:
+    """Make candidate `c`'s table predictions `factor` times faster (its speed-up over plain too)."""
+    for t in c.predicted:
+        c.predicted[t] /= factor
+        for entry in c.by_length.get(t, {}).values():
+            entry[0] /= factor
+
+
+def test_switch_target_weighs_what_the_run_measured_against_the_table_with_a_margin():
+    """`switch_target`: the best other candidate on the same plan, when its speed-up is
+    SWITCH_MARGIN above the loaded draft's measured one (at least plain's 1.0), once the loaded
+    draft has decoded SWITCH_MIN_STEPS steps; a candidate used before counts with what it learned."""
+    def cand(name, s_token, plan="p"):
+        return draft_choice.Candidate(name, predicted={0.0: s_token}, plain={0.0: 1.0}, plain_measured={0.0: 1.0},
+                                      trees={0.0: "(8,4)"}, plan=plan)
+    choice = draft_choice.DraftChoice([cand("a", 0.5), cand("b", 0.4), cand("c", 0.2, plan="other"),
+                                       draft_choice.Candidate("none", predicted={0.0: 1.0}, plain={0.0: 1.0}),
+                                       draft_choice.Candidate("suffix", dropped="no")], "a", 0.0)
+    enough, m = draft_choice.SWITCH_MIN_STEPS, draft_choice.SWITCH_MARGIN
+    # b is predicted 2.5x, a measured 2.0x here: 2.5 is over 2.0 * (1 + SWITCH_MARGIN) = 2.3, so b;
+    # a measured just over 2.5 / 1.15: within the margin, so none
+    assert draft_choice.switch_target(choice, "a", 2.0, 0.0, None, enough, {}) == ("b", pytest.approx(2.5))
+    assert draft_choice.switch_target(choice, "a", 2.5 / (1 + m) + 1e-6, 0.0, None, enough, {}) is None
+    assert draft_choice.switch_target(choice, "a", 1.0, 0.0, None, enough - 1, {}) is None  # (too soon)
+    # c is on another target plan (it would not fit where a is): never, however fast
+    assert draft_choice.switch_target(choice, "b", 1.0, 0.0, None, enough, {"a": 0.9}) is None
+    # b measured 1.1x when this run used it: that, not the table's 2.5x, is what it counts with
+    assert draft_choice.switch_target(choice, "a", 1.0, 0.0, None, enough, {"b": 1.1}) is None
+    # a draft that measures under plain: plain's 1.0 is its floor (its planner decodes plainly)
+    assert draft_choice.switch_target(choice, "a", 0.5, 0.0, None, enough, {"b": 1.1}) is None
+
+
+def test_a_draft_another_candidate_beats_here_is_replaced_between_answers_exactly(folders, fakes, monkeypatch):
+    """--draft auto, adapting: after an answer, when the table predicts another candidate (on the
+    same plan) well above what the loaded draft's planner learned it makes, that draft replaces it
+    before the next answer: the old model and its K/V go, its plans and planners are kept (a switch
+    back goes on from them), and every answer's greedy tokens are plain decoding's."""
+    target, _ = folders
+    plain = greedy_past_eos(target, "Hello", 24)[0].token_ids
+    monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 10**6)  # (no switch after the first answer)
+    with Engine.load(target, draft="auto", offload="disk", progress=False) as engine:
+        engine.eos_token_ids = frozenset()
+        choice = engine.draft_choice
+        assert choice.chosen == "self-q4"
+        by = {c.name: c for c in choice.candidates}
+        assert by["self-int8"].plan == by["self-q4"].plan  # (one disk plan: any of them fits)
+        first = engine.generate("Hello", max_new_tokens=24)
+        assert first.token_ids == plain and first.stats["draft_switch"] is None
+        old_model, old_planner = engine.draft, engine.planners[0.0]
+        monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 1)
+        _faster(by["self-int8"], 100.0)  # the table now promises self-int8 far more than any run measures
+        second = engine.generate("Hello", max_new_tokens=24)
+        assert second.token_ids == plain
+        switch = second.stats["draft_switch"]
+        assert switch["from"] == "self-q4" and switch["to"] == "self-int8" and "is predicted" in switch["why"]
+        assert engine.draft is not old_model and engine.draft_key.startswith("self-int8")
+        assert engine.draft_name == "self-int8" and choice.chosen == "self-int8" and engine.draft_switches == [switch]
+        assert engine.planners == {} and engine.auto_plans[0.0].source  # (its own plans, planners made on use)
+        assert engine.draft_states["self-q4"]["planners"][0.0] is old_planner
+        monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 10**6)
+        third = engine.generate("Hello", max_new_tokens=24)  # on self-int8, with a K/V cache of its own
+        assert third.token_ids == plain and engine.draft_key.startswith("self-int8")
+        assert third.stats["draft_switch"] is None
+        int8 = engine.draft
+        slots = engine.prefix_cache._slots[engine.prefix_cache.current]
+        assert int8 in slots
+        # and back: self-q4's planner, kept, says it makes 50x here (what it learned is what counts)
+        monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 1)
+        monkeypatch.setattr(draft_choice, "adapted_speedup",
+                            lambda planner, length: 1.0 if planner is engine.planners.get(0.0) else 50.0)
+        fourth = engine.generate("Hello", max_new_tokens=24)
+        assert fourth.token_ids == plain and fourth.stats["draft_switch"]["to"] == "self-q4"
+        assert int8 not in slots and engine.model in slots  # (the replaced draft's K/V gone, the target's kept)
+        assert "measured" in fourth.stats["draft_switch"]["why"] and engine.planners[0.0] is old_planner
+        assert engine.generate("Hello", max_new_tokens=24).token_ids == plain

@@ -798,6 +798,17 @@ class OnlinePlanner:
         if allowance <= 0:
             return False
         t0 = time.perf_counter()
+        self._refill(allowance)
+        self.log.switches += self._rechoose(self.timing.timings())
+        spent = time.perf_counter() - t0
+        self.log.replans += 1
+        self.log.replan_seconds += spent
+        self.replan_seconds += spent
+        return True
+
+    def _refill(self, allowance: float) -> None:
+        """The DP table filled again with the estimate's vector where it moved by more than
+        REFILL_DISTANCE, up to twice the current budget, when its predicted cost fits `allowance`."""
         vector = self.accept.vector()
         moved = sum(abs(a - b) for a, b in zip(vector.probs, self._table_vector.probs))
         ns = [n for n in self.budgets if n <= max(32, 2 * self.current.budget)]
@@ -812,12 +823,20 @@ class OnlinePlanner:
             self.candidates = refilled.merged(self.candidates, above=max(ns))
             self._table_vector = vector
             self._fresh_up_to = max(ns) if max(ns) < max(self.budgets) else None
-        self.log.switches += self._rechoose(self.timing.timings())
-        spent = time.perf_counter() - t0
-        self.log.replans += 1
-        self.log.replan_seconds += spent
-        self.replan_seconds += spent
-        return True
+
+    def outlook(self, length: int | None) -> float:
+        """Between answers: plain decoding's time over the best choice's for an answer whose steps
+        make `length` tokens, as this planner has learned the pair (the table refilled for the
+        pair's estimate where it moved, within the re-planning allowance) and the machine (its
+        timing factors): the speed-up the next answer is predicted (1.0: plain decoding wins)."""
+        t0 = time.perf_counter()
+        allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
+        if allowance > 0:
+            self._refill(allowance)
+        timings = self.timing.timings()
+        best = self.candidates.best(timings, length=length, max_budget=self._fresh_up_to)
+        self.replan_seconds += time.perf_counter() - t0
+        return timings.plain() / best.seconds_per_token
 
     def predicted_plain(self) -> float:
         return self.timing.timings().plain()

@@ -51,6 +51,10 @@ SELF_CANDIDATES = ("self-q8", "self-q4", "self-int8", "self-int4")
 TEMPERATURES = (0.0, 0.6)
 CHOICE_VERSION = 4  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`); 3: by length;
 # 4: a step's floor, the pass's compute and the draft's work (`Timings.step`)
+# between answers, another candidate replaces the loaded draft (`switch_target`) when its speed-up
+# over plain decoding is this much above what the loaded one's planner has learned it makes here
+SWITCH_MARGIN = 0.15
+SWITCH_MIN_STEPS = 24  # ... once the loaded draft has decoded this many steps since it was loaded
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024)  # answer lengths (max_new_tokens) each candidate is predicted for
 DRAFT_RATIO = 0.25  # a draft has at most this fraction of its target's parameters (also `models`)
 
@@ -400,3 +404,41 @@ def _fill(c: Candidate, engine) -> None:
 
 def _tree(choice) -> str:
     return "plain" if choice.budget == 1 else f"({choice.budget},{choice.depth})"
+
+
+def adapted_speedup(planner, length: int | None) -> float:
+    """The speed-up over plain decoding that a draft's planner predicts for its next answer of
+    `length` step tokens from what it learned in this run (`OnlinePlanner.outlook`)."""
+    return planner.outlook(length)
+
+
+def switch_target(choice: DraftChoice, current: str, speedup: float, temperature: float, length: int | None,
+                  steps: int, kept: dict) -> tuple[str, float] | None:
+    """The candidate to load in place of `current` before the next answer, with its speed-up,
+    or None: once `current` has decoded SWITCH_MIN_STEPS steps, the candidate on the same target
+    plan (the same placement: it fits where `current` is) with the highest speed-up over plain
+    decoding, when that is SWITCH_MARGIN above `speedup`, what `current` is predicted to make
+    from what this run measured (at least plain decoding's 1.0, which its planner can always
+    fall back on). A candidate this run has used before counts with what it learned then
+    (`kept`: name -> its adapted speed-up), the others with the table's prediction at the
+    request's temperature and for answers of `length` tokens. `none` and `suffix` are never
+    switched to (plain decoding is the planner's own fallback)."""
+    if steps < SWITCH_MIN_STEPS:
+        return None
+    mine = next((c for c in choice.candidates if c.name == current), None)
+    if mine is None:
+        return None
+    best = None
+    for c in choice.candidates:
+        if c.name in (current, "none", "suffix") or c.dropped or not c.predicted or c.plan != mine.plan:
+            continue
+        if c.name in kept:
+            value = kept[c.name]
+        else:
+            t = c.nearest(temperature)
+            value = c.plain[t] / c.score(temperature, length) if c.plain.get(t) else 1.0
+        if best is None or value > best[1]:
+            best = (c.name, value)
+    if best is not None and best[1] > max(1.0, speedup) * (1 + SWITCH_MARGIN):
+        return best
+    return None

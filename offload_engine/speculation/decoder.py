@@ -255,6 +255,11 @@ class PrefixCache:
             seqs.clear()
         self._used = [0] * len(self._slots)
 
+    def drop(self, model: Transformer | None) -> None:
+        """Forget one model's caches in every slot (a draft replaced by another: `Engine.switch_draft`)."""
+        for seqs in self._slots:
+            seqs.pop(model, None)
+
 
 AHEAD_JOBS = 4  # next trees grown ahead at once, for the most probable ends of this step
 AHEAD_GUESSES = 2  # bonus tokens considered per end node: the draft's best ones outside its children
