@@ -235,7 +235,7 @@ def _empty() -> dict:
     return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
             "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": [], "suffix_accepted": 0,
             "suffix_matched": 0, "gate_runs": 0, "gate_skips": 0, "split": {}, "ahead_hits": 0, "ahead_misses": 0,
-            "by_prompt": []}
+            "by_prompt": [], "draft_switches": []}
 
 
 def decode_seconds_per_token(stats: dict) -> float:
@@ -255,6 +255,8 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     acc["new_tokens"] += s["new_tokens"]
     acc["token_ids"].append(r.token_ids)
     acc["auto"] = s.get("auto")
+    if s.get("draft_switch"):  # (--draft auto: another draft loaded after this answer)
+        acc["draft_switches"].append({"prompt": i, **s["draft_switch"]})
     for k, v in (s.get("step_split") or {}).items():
         acc["split"][k] = acc["split"].get(k, 0.0) + v
     if s.get("overlap"):
