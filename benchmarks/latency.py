@@ -255,8 +255,9 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     acc["new_tokens"] += s["new_tokens"]
     acc["token_ids"].append(r.token_ids)
     acc["auto"] = s.get("auto")
-    if s.get("draft_switch"):  # (--draft auto: another draft loaded after this answer)
-        acc["draft_switches"].append({"prompt": i, **s["draft_switch"]})
+    if s.get("draft_switch"):  # (--draft auto: another draft loaded after this answer; the user
+        acc["draft_switches"].append({"prompt": i, **s["draft_switch"]})  # waits for it: it counts)
+        acc["decode_seconds"] += s["draft_switch"]["seconds"]
     for k, v in (s.get("step_split") or {}).items():
         acc["split"][k] = acc["split"].get(k, 0.0) + v
     if s.get("overlap"):

@@ -267,6 +267,7 @@ class Engine:
         self.draft_states: dict = {}
         self.draft_switches: list = []
         self.steps_with_draft = 0
+        self._switch_due = None  # (planner, temperature, budget) of the answer just decoded (`generate`)
         self._load_args: dict = {}  # what a draft switch rebuilds a draft and its plans with
         # --tree auto with a cached profile: its readings timed again at load (profiler.SpeedCheck)
         self.speed_check = None
@@ -578,49 +579,73 @@ class Engine:
         current one, between answers: the target, its placement and the conversations' target K/V
         stay; the old draft's model and K/V go (its plans and planners are kept in `draft_states`,
         so that a switch back goes on from what it learned); the new draft's plans come from its
-        own cached profile and vectors (`_plan_auto`), or from what it learned here before.
-        Exactness is the verification's, as for any draft. Returns the switch's record (also in
-        `draft_switches`)."""
+        own cached profile and stored vectors (`_plan_auto`; a vector given at load was the loaded
+        draft's), or from what it learned here before. Exactness is the verification's, as for
+        any draft. A switch that fails (the draft cannot be built or planned) puts the old draft
+        back as it was and raises UserError; if even that fails, the engine goes on without a
+        draft (plain decoding) and says so. Returns the switch's record (also in `draft_switches`)."""
         import gc
         if self.draft_choice is None or not self.auto_plans:
             raise UserError("switch_draft: only an engine loaded with --draft auto and --tree auto switches drafts")
         if self.suffix_store is not None:
             raise UserError("switch_draft: not with suffix drafts")
-        t0, old = time.perf_counter(), self.draft_choice.chosen  # (candidates by their names in the table)
+        old = self.draft_choice.chosen  # (candidates by their names in the table)
+        by_name = {c.name: c for c in self.draft_choice.candidates}
+        cand, mine = by_name.get(name), by_name.get(old)
+        if name == old or cand is None or cand.dropped or name in ("none", "suffix") or (
+                mine is not None and cand.plan != mine.plan):
+            raise UserError(f"switch_draft: {name} is not another usable --draft auto candidate on this target "
+                            f"plan (candidates: {', '.join(c.name for c in self.draft_choice.candidates)})")
+        t0 = time.perf_counter()
         self.draft_states[old] = dict(display=self.draft_name, model_key=self.draft_key, auto_plans=self.auto_plans,
                                       planners=self.planners, learned_paths=self.learned_paths,
                                       overlap=self.overlap, speed_check=self.speed_check)
-        if self.prefix_cache is not None:
-            self.prefix_cache.drop(self.draft)  # (a substitute draft has none of its own)
-        self.draft = None
-        gc.collect()
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._free_draft()
         args = self._load_args
         try:
             model, folder = self._build_draft(name)
-        except (UserError, RuntimeError, MemoryError, OSError) as exc:  # (CUDA's out of memory: RuntimeError)
-            self.draft = self._build_draft(old)[0]  # the old one back, as it was
+            self.draft = model
+            self.draft_name = name if folder is None or is_model_name(name) else Path(name).name
+            self.draft_key = draft_key(name, folder, args.get("group_size", DEFAULT_GROUP_SIZE),
+                                       len(self.plan.resident_layers))
+            if name in self.draft_states:
+                self._restore_draft_state(name)
+            else:
+                overlap = args.get("overlap", "auto")
+                self.overlap = bool(self.plan.streamed_layers) and (
+                    overlap == "on" or (overlap == "auto" and is_substitute_draft(name)))
+                self._plan_auto(None, args["budget"], args["depth"], args.get("progress", False),
+                                args.get("plan_tokens"))
+        except Exception as exc:  # (CUDA's out of memory is a RuntimeError; a profile unreadable, an OSError)
+            reason = str(exc).replace("\n", " ")[:300] or type(exc).__name__
+            self._free_draft()
+            try:  # the old one back, as it was
+                self.draft = self._build_draft(old)[0]
+            except Exception as again:
+                self.draft_states.pop(old, None)
+                self.draft, self.draft_name, self.draft_key = None, None, None
+                self.auto_plans, self.planners, self.learned_paths = {}, {}, {}
+                self.draft_choice.chosen = "none"
+                raise UserError(f"cannot switch the draft to {name} ({reason}), nor load {old} again "
+                                f"({str(again)[:300]}); going on without a draft") from None
             self._restore_draft_state(old)
-            raise UserError(f"cannot switch the draft to {name} ({exc}); keeping {old}") from None
-        self.draft = model
-        self.draft_name = name if folder is None or is_model_name(name) else Path(name).name
-        self.draft_key = draft_key(name, folder, args.get("group_size", DEFAULT_GROUP_SIZE),
-                                   len(self.plan.resident_layers))
-        if name in self.draft_states:
-            self._restore_draft_state(name)
-        else:
-            overlap = args.get("overlap", "auto")
-            self.overlap = bool(self.plan.streamed_layers) and (
-                overlap == "on" or (overlap == "auto" and is_substitute_draft(name)))
-            self._plan_auto(args.get("acceptance"), args["budget"], args["depth"], args.get("progress", False),
-                            args.get("plan_tokens"))
+            raise UserError(f"cannot switch the draft to {name} ({reason}); keeping {old}") from None
         self.draft_choice.chosen = name
         self.draft_choice.plan_for = self.plan_for
         self.steps_with_draft = 0
         record = {"from": old, "to": name, "seconds": time.perf_counter() - t0, "why": why}
         self.draft_switches.append(record)
         return record
+
+    def _free_draft(self) -> None:
+        """The current draft's model and K/V gone (its memory back before another is built)."""
+        import gc
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop(self.draft)  # (a substitute draft has none of its own, but levels)
+        self.draft = None
+        gc.collect()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _restore_draft_state(self, name: str) -> None:
         state = self.draft_states.pop(name)
@@ -631,16 +656,20 @@ class Engine:
 
     def _consider_switch(self, planner, temperature: float, budget: int) -> dict | None:
         """After an answer (--draft auto, adapting): switch drafts when what this run measured of
-        the current one says another candidate wins (`draft_choice.switch_target`)."""
+        the current one says another candidate wins (`draft_choice.switch_target`). Each switch
+        doubles the steps the next one waits for (`switch_wait`), so that answers at temperatures
+        that favour different drafts do not make it switch back and forth for long. Never an
+        error: a switch that cannot be made is one line, and the answers go on."""
         from .planning.adaptive import expected_length
-        from .planning.draft_choice import adapted_speedup, switch_target
+        from .planning.draft_choice import adapted_speedup, switch_target, switch_wait
         length = expected_length(planner.ended, 0, max(1, budget - 1))
         current = adapted_speedup(planner, length)
         kept = {name: adapted_speedup(st["planners"][k], length) for name, st in self.draft_states.items()
                 for k in st["planners"] if abs(k - round(temperature, 3)) < 1e-9}
         mine = self.draft_choice.chosen
         target = switch_target(self.draft_choice, mine, current, temperature,
-                               None if length is None else length + 1, self.steps_with_draft, kept)
+                               None if length is None else length + 1, self.steps_with_draft, kept,
+                               min_steps=switch_wait(len(self.draft_switches)))
         if target is None:
             return None
         name, predicted = target
@@ -650,7 +679,7 @@ class Engine:
             print(f"sequoia-offload: draft auto: switching from {mine} to {name} ({why})", file=sys.stderr)
         try:
             record = self.switch_draft(name, why)
-        except UserError as exc:
+        except Exception as exc:  # (switch_draft has put back what it could; the answer is already out)
             print(f"sequoia-offload: {exc}", file=sys.stderr)
             return None
         if self._load_args.get("progress", False):
@@ -724,16 +753,24 @@ class Engine:
         if seed is not None and not 0 <= seed < 2**63:
             raise UserError(f"seed must be in 0..2**63-1, got {seed}")
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self._switch_due = None
         if cancel is None:
-            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key, plain)
-        models = [m for m in (self.model, self.draft) if m is not None]
-        for m in models:
-            m.interrupt = cancel
-        try:
-            return self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key, plain)
-        finally:
+            result = self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key, plain)
+        else:
+            models = [m for m in (self.model, self.draft) if m is not None]
             for m in models:
-                m.interrupt = None
+                m.interrupt = cancel
+            try:
+                result = self._decode(ids, max_new_tokens, params, generator, stop, on_token, suffix_key, plain)
+            finally:
+                for m in models:
+                    m.interrupt = None
+        # another draft, where this run says it wins: for the next answer, once this one's decoder,
+        # caches and interrupt are gone (the answer's own time does not include it)
+        due, self._switch_due = self._switch_due, None
+        if due is not None:
+            result.stats["draft_switch"] = self._consider_switch(*due)
+        return result
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                 generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None,
@@ -842,8 +879,9 @@ class Engine:
         if planner is not None and self.remember and planner.adapt and auto.temperature in self.learned_paths:
             self._keep_learned(planner, auto.temperature)  # (after the answer's time is taken)
         if planner is not None and planner.adapt and self.draft_choice is not None and self.suffix_store is None:
-            self.steps_with_draft += steps  # (another draft, where this run says it wins: for the next answer)
-            stats["draft_switch"] = self._consider_switch(planner, params.temperature, budget)
+            self.steps_with_draft += steps
+            stats["draft_switch"] = None  # (`generate` considers another draft after this returns)
+            self._switch_due = (planner, params.temperature, budget)
         return GenerationResult(stream.text, new, finish, stats)
 
     def _keep_learned(self, planner, temperature: float) -> None:

@@ -315,6 +315,20 @@ def test_one_hard_answer_moves_the_next_ones_start_part_of_the_way_and_a_lasting
     assert planner.accept.pair_hazards()[0] == pytest.approx(hard.probs[0], abs=0.06)
 
 
+def test_the_pairs_estimate_follows_a_draft_far_below_its_prior_all_the_way():
+    """The pair's hazards are counts anchored to the prior: held at the prior's 8 observations,
+    the anchor confined a hazard within h_prior / 9 and (8 + h_prior) / 9, so a draft the stored
+    vector rates at 0.95 could never be learned under 0.105 (PAIR_NODES: the anchor weighs 1/33
+    once answers have moved it)."""
+    prior, truth = AcceptanceVector((0.95, 0.02, 0.01)), AcceptanceVector((0.02, 0.02, 0.02))
+    base = _flat()
+    planner = _planner(prior, base)
+    for k in range(24):
+        _run(planner, World(truth, base, seed=40 + k), 30)
+        planner.finish(300, True)
+    assert planner.accept.pair_hazards()[0] < 0.06, planner.accept.pair_hazards()
+
+
 def test_no_adapt_keeps_the_choice_and_still_logs_it():
     base = _flat()
     planner = _planner(AcceptanceVector((0.8, 0.1, 0.05)), base)
@@ -596,3 +610,37 @@ def test_a_step_on_its_floor_teaches_a_factor_of_one():
         t.observe(4, widths, StepTimes(draft=draft, target=step - draft - 1e-4, total=step))
     assert t.factor("target") == pytest.approx(1.0, rel=1e-3)
     assert t.timings().step(4, widths)[0] == pytest.approx(step, rel=1e-3)
+
+
+def test_between_answers_the_table_is_refilled_for_every_budget_not_for_the_tree_the_last_answer_ended_on():
+    """Within an answer a re-plan refills the DP table up to twice the current budget (at least 32).
+    An answer that max_new_tokens cuts short ends on plain decoding (its tail), and the refill
+    between answers (`begin`, and `outlook` for --draft auto's switch) was capped at 32 by that:
+    the next answer could not start on a wider tree the estimate now favours. Between answers the
+    refill covers the widest budgets whose fill fits the re-planning allowance."""
+    optimistic = AcceptanceVector((0.9, 0.05, 0.03))
+    base = _flat(draft_s=0.02)
+    for between in ("outlook", "begin"):
+        planner = _planner(optimistic, base)
+        _run(planner, World(TRUE, base, seed=3), 60)
+        planner.finish(59, False)
+        planner.current = planner.candidates.choice(1, 1, planner.timing.timings())  # (its tail: plain)
+        assert planner.current.budget == 1
+        planner._table_vector = optimistic  # (the estimate has moved from the table's vector)
+        planner.replan_seconds = 0.0
+        if between == "outlook":
+            planner.outlook(None)
+        else:
+            planner.begin()
+        assert planner._table_vector is not optimistic and planner._fresh_up_to is None, between
+        if between == "begin":  # (the re-plan before its first step is counted in the new answer's log)
+            assert planner.log.replans == 1 and planner.log.replan_seconds > 0
+    # a fill of every budget that does not fit the allowance: the widest that does
+    planner = _planner(optimistic, base)
+    _run(planner, World(TRUE, base, seed=3), 60)
+    planner.current = planner.candidates.choice(1, 1, planner.timing.timings())
+    planner._table_vector, planner.replan_seconds = optimistic, 0.0
+    allowance = adaptive.REPLAN_SHARE * planner.decode_seconds
+    planner.refill_rate = allowance / (100 ** 2 * planner.max_depth * planner.accept.vector().width)  # (96 fits, 128 not)
+    planner.outlook(None)
+    assert planner._fresh_up_to == 96, planner._fresh_up_to

@@ -10,6 +10,7 @@ not the measurements (tests/test_auto_tree.py and test_optimizer.py test those).
 
 import json
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -357,14 +358,21 @@ def test_a_draft_another_candidate_beats_here_is_replaced_between_answers_exactl
         assert by["self-int8"].plan == by["self-q4"].plan  # (one disk plan: any of them fits)
         first = engine.generate("Hello", max_new_tokens=24)
         assert first.token_ids == plain and first.stats["draft_switch"] is None
-        old_model, old_planner = engine.draft, engine.planners[0.0]
+        old_model, old_planner = weakref.ref(engine.draft), engine.planners[0.0]
         monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 1)
         _faster(by["self-int8"], 100.0)  # the table now promises self-int8 far more than any run measures
+        build, freed = engine._build_draft, []
+
+        def watched(name):  # (the old draft's memory is back before the new one is built: the
+            freed.append(old_model() is None)  # answer's decoder, caches and levels let it go)
+            return build(name)
+        monkeypatch.setattr(engine, "_build_draft", watched)
         second = engine.generate("Hello", max_new_tokens=24)
+        assert freed == [True]
         assert second.token_ids == plain
         switch = second.stats["draft_switch"]
         assert switch["from"] == "self-q4" and switch["to"] == "self-int8" and "is predicted" in switch["why"]
-        assert engine.draft is not old_model and engine.draft_key.startswith("self-int8")
+        assert engine.draft is not None and engine.draft_key.startswith("self-int8")
         assert engine.draft_name == "self-int8" and choice.chosen == "self-int8" and engine.draft_switches == [switch]
         assert engine.planners == {} and engine.auto_plans[0.0].source  # (its own plans, planners made on use)
         assert engine.draft_states["self-q4"]["planners"][0.0] is old_planner
@@ -375,12 +383,67 @@ def test_a_draft_another_candidate_beats_here_is_replaced_between_answers_exactl
         int8 = engine.draft
         slots = engine.prefix_cache._slots[engine.prefix_cache.current]
         assert int8 in slots
-        # and back: self-q4's planner, kept, says it makes 50x here (what it learned is what counts)
-        monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 1)
+        # and back: self-q4's planner, kept, says it makes 50x here (what it learned is what counts),
+        # once self-int8 has decoded twice SWITCH_MIN_STEPS (one switch made: `switch_wait`)
+        monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 100)
         monkeypatch.setattr(draft_choice, "adapted_speedup",
                             lambda planner, length: 1.0 if planner is engine.planners.get(0.0) else 50.0)
+        engine.steps_with_draft = 150  # (past 100: without the wait doubled, it would switch now)
+        assert engine._consider_switch(engine.planners[0.0], 0.0, 24) is None and engine.draft is int8
+        engine.steps_with_draft = 199  # (the next answer's steps take it past 200)
         fourth = engine.generate("Hello", max_new_tokens=24)
         assert fourth.token_ids == plain and fourth.stats["draft_switch"]["to"] == "self-q4"
         assert int8 not in slots and engine.model in slots  # (the replaced draft's K/V gone, the target's kept)
-        assert "measured" in fourth.stats["draft_switch"]["why"] and engine.planners[0.0] is old_planner
+        assert "self-q4 measured" in fourth.stats["draft_switch"]["why"] and engine.planners[0.0] is old_planner
+        assert "is predicted" not in fourth.stats["draft_switch"]["why"]
         assert engine.generate("Hello", max_new_tokens=24).token_ids == plain
+
+
+def test_a_switch_that_fails_keeps_the_old_draft_and_the_answers_go_on(folders, fakes, monkeypatch, capsys):
+    """A draft switch that cannot be made (the new draft out of memory as it is built, its plans
+    unreadable) puts the old draft back as it was, planners included, and says so on one line;
+    if even the old one cannot be built again, the engine decodes plainly from then on. No answer
+    is lost and every one is plain decoding's greedy tokens."""
+    target, _ = folders
+    plain = greedy_past_eos(target, "Hello", 24)[0].token_ids
+    monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 10**6)
+    with Engine.load(target, draft="auto", offload="disk", progress=False) as engine:
+        engine.eos_token_ids = frozenset()
+        choice = engine.draft_choice
+        by = {c.name: c for c in choice.candidates}
+        assert engine.generate("Hello", max_new_tokens=24).token_ids == plain
+        old_planner = engine.planners[0.0]
+        build, plan_auto = engine._build_draft, engine._plan_auto
+        monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 1)
+        _faster(by["self-int8"], 100.0)
+        for broken in ("build", "plan"):
+            def failing_build(name):
+                if name == "self-int8" and broken == "build":
+                    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                return build(name)
+
+            def failing_plan(*a, **k):
+                raise OSError("profile unreadable")
+            monkeypatch.setattr(engine, "_build_draft", failing_build)
+            monkeypatch.setattr(engine, "_plan_auto", failing_plan if broken == "plan" else plan_auto)
+            answer = engine.generate("Hello", max_new_tokens=24)
+            assert answer.token_ids == plain and answer.stats["draft_switch"] is None, broken
+            err = capsys.readouterr().err
+            assert "cannot switch the draft to self-int8" in err and "keeping self-q4" in err, (broken, err)
+            assert ("out of memory" if broken == "build" else "profile unreadable") in err
+            assert choice.chosen == "self-q4" and engine.draft_name == "self-q4" and engine.draft is not None
+            assert engine.draft_key.startswith("self-q4") and engine.planners[0.0] is old_planner
+            assert "self-q4" not in engine.draft_states and engine.draft_switches == []
+            assert engine.generate("Hello", max_new_tokens=24, seed=1).token_ids == plain  # (on self-q4 still)
+            capsys.readouterr()
+
+        def nothing_builds(name):
+            raise RuntimeError("CUDA out of memory")
+        monkeypatch.setattr(engine, "_build_draft", nothing_builds)
+        monkeypatch.setattr(engine, "_plan_auto", plan_auto)
+        answer = engine.generate("Hello", max_new_tokens=24)
+        assert answer.token_ids == plain and answer.stats["draft_switch"] is None
+        assert "going on without a draft" in capsys.readouterr().err
+        assert engine.draft is None and choice.chosen == "none"
+        after = engine.generate("Hello", max_new_tokens=24)
+        assert after.token_ids == plain and after.stats["tree"] == "none" and after.stats["target_steps"] == 23

@@ -243,3 +243,29 @@ def test_the_profile_measures_the_pass_waits_and_the_overlap_used(target, tmp_pa
     t = prof.timings(greedy=True)
     work = t.draft_factor * sum(t.draft(w) for w in (1, 2, 4, 4))
     assert t.overlapped(16, work) > 0
+
+
+def test_another_substitute_draft_on_the_same_cache_gets_levels_of_its_own(target, plain, tmp_path, monkeypatch):
+    """A substitute draft's padded level passes (`StaticLevels`, CUDA graphs on a GPU) live on the
+    target's cached sequence, since the draft shares its cache. When --draft auto replaces one
+    substitute draft by another, the next decoder must not replay the first one's levels (its
+    weights, its captured graphs): it makes its own, and `PrefixCache.drop` forgets the old ones."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with Engine.load(target, draft="self-q4", draft_group_size=32, offload="disk", buffers=2, tree="sequoia",
+                     tree_budget=16, tree_depth=5, progress=False) as engine:
+        ids = engine.prompt_ids(PROMPT)
+        first, second = engine.draft, engine._build_draft("self-q8")[0]
+        assert second.shares_cache and second is not first
+        for draft in (first, second):
+            engine.prefix_cache.select(engine.model, ids)
+            dec = SpeculativeDecoder(engine.model, draft, engine.tree, SamplingParams(0.0), torch.Generator(),
+                                     len(ids) + 40, engine.prefix_cache, draft_graphs="eager")
+            out = [dec.first_token(dec.prefill(ids, engine.max_batch_tokens))]
+            while len(out) < 20:
+                out += dec.step(out[-1]).tokens
+            assert out[:20] == plain[:20]
+            assert dec.draft_levels.model is draft and dec.draft_levels.eager > 0
+        seq = engine.prefix_cache.sequence(engine.model, len(ids) + 40)
+        assert seq.levels.model is second
+        engine.prefix_cache.drop(second)
+        assert seq.levels is None and seq in engine.prefix_cache._slots[engine.prefix_cache.current].values()

@@ -10,8 +10,9 @@ After every speculation step the planner records what the step measured:
     per rank whose prior is the pair's estimate counted as GEN_PRIOR observations; the answer's
     evidence and that prior fade by ACCEPT_FORGET per tree step, so an answer that turns from
     chat to code is followed. The pair's estimate starts as the stored or measured vector and
-    moves LONG_RATE of the way to each answer's at its end: every answer counts alike, and one
-    hard prompt does not set the trees of the next;
+    moves LONG_RATE of the way to each answer's at its end: a long answer weighs no more than
+    a few (a short one less: its own hazards are still near the pair's), and one hard prompt
+    does not set the trees of the next;
   * the timing evidence: the draft's part of the step and the target's (its pass, the
     verification, the commits), each against what the profile's step model predicts for that
     tree. `TimingEstimate` keeps one factor for each, the median of the last WINDOW steps'
@@ -99,6 +100,10 @@ GEN_PRIOR = 16.0  # at an answer's start the pair's hazards count as this many o
 # hard first prompt (self-q8 at T=0, 8 rejections in about 100 nodes) put the next answers on
 # (8, 8) trees whose every step was accepted whole, where (24, 20) made 19.5 tokens a step
 LONG_RATE = 0.25
+# the at-risk count the pair's hazards are held with once an answer has moved them: the prior's
+# anchor then weighs 1/33 of a hazard (with the prior's 8 it confined each hazard within
+# h_prior / 9 and (8 + h_prior) / 9: a draft the prior rates at 0.9 could never be taken under 0.1)
+PAIR_NODES = 32.0
 PRIOR_STEPS = 3  # the profile's timings fill this many places of a short window
 WINDOW = 7  # steps whose median ratio is a timing factor
 EVERY = 4  # steps between re-plans
@@ -139,10 +144,10 @@ class AcceptanceEstimate:
     draft does on this user's prompts, from answer to answer) and this answer's.
 
     Per rank r, the hazard h_r = P(rank r accepted | ranks < r rejected). The pair's hazards are
-    decayed counts anchored to the prior vector (worth PRIOR_NODES observations at first, and
-    always one: `pair_hazards`); they move once per answer, at its end (`end_generation`), a
-    LONG_RATE step towards what that answer measured, so that every answer counts alike whatever
-    its length, and one hard prompt does not set the next one's trees. Within an answer, the
+    counts anchored to the prior vector (worth PRIOR_NODES observations at first, then one in
+    PAIR_NODES + 1: `pair_hazards`); they move once per answer, at its end (`end_generation`), a
+    LONG_RATE step towards what that answer measured (its own posterior: a short answer's is
+    near the pair's, so it moves them less), and one hard prompt does not set the next one's trees. Within an answer, the
     answer's own evidence (decayed by ACCEPT_FORGET per step, so that an answer that turns from
     chat to code is followed) is weighed against the pair's hazards worth GEN_PRIOR observations
     at the answer's start, fading with the evidence down to one: a Beta posterior per rank
@@ -200,9 +205,9 @@ class AcceptanceEstimate:
 
     def end_generation(self) -> None:
         """An answer's end: the pair's hazards move LONG_RATE of the way to this answer's (ranks it
-        saw no evidence for stay), and the answer's evidence is closed. (The counts keep their
-        at-risk totals, so the prior's anchor weighs as before: a hazard is held within
-        h_prior / (n + 1) and (n + h_prior) / (n + 1).)"""
+        saw no evidence for stay), and the answer's evidence is closed. (A hazard is held within
+        h_prior / (n + 1) and (n + h_prior) / (n + 1), n its at-risk count: raised to PAIR_NODES
+        by the first move, so that the prior's anchor weighs little.)"""
         if not any(self.gen_at_risk):
             return
         now = self.hazards()
@@ -210,7 +215,7 @@ class AcceptanceEstimate:
             if self.gen_at_risk[r] <= 0.0:
                 continue
             target = (1.0 - LONG_RATE) * h_pair + LONG_RATE * h_gen
-            n = self.at_risk[r]
+            n = self.at_risk[r] = max(self.at_risk[r], PAIR_NODES)
             self.accepted[r] = min(n, max(0.0, target * (n + 1.0) - self.prior_h[r]))
         self.gen_accepted, self.gen_at_risk = [0.0] * self.width, [0.0] * self.width
         self.gen_prior = GEN_PRIOR
@@ -566,14 +571,16 @@ class OnlinePlanner:
         self.left = None if length is None else max(1, int(length))
         self.done = 0
         timings = self.timing.timings()
+        self.log = GenerationLog(self.current, timings.plain())  # (its re-plan counts in this answer's log)
         if self.adapt:
             # (an answer cut off before `finish` counts once; the new one starts from the pair's
             # hazards, the table refilled where they moved)
             self.accept.end_generation()
-            if not self._replan():
+            if not self._replan(between=True):
                 self._rechoose(timings)
         start = self._evaluate(self._next(), timings)
-        self.log = GenerationLog(start, timings.plain())
+        begun, self.log = self.log, GenerationLog(start, timings.plain())
+        self.log.replans, self.log.replan_seconds = begun.replans, begun.replan_seconds
         if start is not None:  # (before a re-plan can refill the candidates the range is read from)
             from .auto_tree import speedup_spread
             self.log.start_spread = speedup_spread(self.candidates, start, timings.plain(), start.length,
@@ -790,15 +797,15 @@ class OnlinePlanner:
             self.accept.observe(k, result.accepted_ranks[i] if i < len(result.accepted) else None)
         self.accept.fade()
 
-    def _replan(self) -> bool:
+    def _replan(self, between: bool = False) -> bool:
         """Refill the table if the estimate moved, and re-choose; False when the re-planning
-        time allowance (REPLAN_SHARE) is spent and nothing ran."""
+        time allowance (REPLAN_SHARE) is spent and nothing ran. `between`: answers (`_refill`)."""
         self.since_replan = 0
         allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
         if allowance <= 0:
             return False
         t0 = time.perf_counter()
-        self._refill(allowance)
+        self._refill(allowance, between)
         self.log.switches += self._rechoose(self.timing.timings())
         spent = time.perf_counter() - t0
         self.log.replans += 1
@@ -806,14 +813,24 @@ class OnlinePlanner:
         self.replan_seconds += spent
         return True
 
-    def _refill(self, allowance: float) -> None:
+    def _refill(self, allowance: float, between: bool = False) -> None:
         """The DP table filled again with the estimate's vector where it moved by more than
-        REFILL_DISTANCE, up to twice the current budget, when its predicted cost fits `allowance`."""
+        REFILL_DISTANCE, when its predicted cost fits `allowance`: within an answer up to twice
+        the current budget (at least 32); `between` answers (`begin`, `outlook`) up to the widest
+        budget whose fill fits, for the next answer starts afresh (the tree an answer ends on,
+        plain decoding in its last tokens, says nothing of the one the next should start on)."""
         vector = self.accept.vector()
         moved = sum(abs(a - b) for a, b in zip(vector.probs, self._table_vector.probs))
-        ns = [n for n in self.budgets if n <= max(32, 2 * self.current.budget)]
-        units = max(ns or [1]) ** 2 * self.max_depth * vector.width
-        if moved > REFILL_DISTANCE and ns and units * self.refill_rate < allowance:
+        if moved <= REFILL_DISTANCE:
+            return
+        cap = max(self.budgets) if between else max(32, 2 * self.current.budget)
+        while True:
+            ns = [n for n in self.budgets if n <= cap]
+            units = max(ns or [1]) ** 2 * self.max_depth * vector.width
+            if not between or not ns or units * self.refill_rate < allowance or max(ns) <= 32:
+                break
+            cap = max(ns) - 1  # (the next narrower fill)
+        if ns and units * self.refill_rate < allowance:
             t_fill = time.perf_counter()
             refilled = Candidates(vector, ns, self.max_depth, TreeTable(vector, max(ns), self.max_depth))
             if self.planning_length() is not None:  # (its step-token distributions too: what a length reads)
@@ -832,7 +849,7 @@ class OnlinePlanner:
         t0 = time.perf_counter()
         allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
         if allowance > 0:
-            self._refill(allowance)
+            self._refill(allowance, between=True)
         timings = self.timing.timings()
         best = self.candidates.best(timings, length=length, max_budget=self._fresh_up_to)
         self.replan_seconds += time.perf_counter() - t0

@@ -412,10 +412,17 @@ def adapted_speedup(planner, length: int | None) -> float:
     return planner.outlook(length)
 
 
+def switch_wait(switches: int) -> int:
+    """The steps the loaded draft decodes before a switch is considered, after `switches` switches
+    in this run: SWITCH_MIN_STEPS, doubled by each switch (answers at two temperatures that favour
+    two drafts make at most a few switches, not one every other answer)."""
+    return SWITCH_MIN_STEPS * 2 ** min(switches, 16)
+
+
 def switch_target(choice: DraftChoice, current: str, speedup: float, temperature: float, length: int | None,
-                  steps: int, kept: dict) -> tuple[str, float] | None:
+                  steps: int, kept: dict, min_steps: int | None = None) -> tuple[str, float] | None:
     """The candidate to load in place of `current` before the next answer, with its speed-up,
-    or None: once `current` has decoded SWITCH_MIN_STEPS steps, the candidate on the same target
+    or None: once `current` has decoded `min_steps` steps (`switch_wait`), the candidate on the same target
     plan (the same placement: it fits where `current` is) with the highest speed-up over plain
     decoding, when that is SWITCH_MARGIN above `speedup`, what `current` is predicted to make
     from what this run measured (at least plain decoding's 1.0, which its planner can always
@@ -423,7 +430,7 @@ def switch_target(choice: DraftChoice, current: str, speedup: float, temperature
     (`kept`: name -> its adapted speed-up), the others with the table's prediction at the
     request's temperature and for answers of `length` tokens. `none` and `suffix` are never
     switched to (plain decoding is the planner's own fallback)."""
-    if steps < SWITCH_MIN_STEPS:
+    if steps < (SWITCH_MIN_STEPS if min_steps is None else min_steps):
         return None
     mine = next((c for c in choice.candidates if c.name == current), None)
     if mine is None:

@@ -35,7 +35,7 @@ from sequoia_trees.acceptance import AcceptanceVector
 
 from ..fsutil import atomic_write_text, cache_root
 
-VERSION = 1
+VERSION = 2  # 2: the pair's counts and the answer's on two levels (`adaptive.AcceptanceEstimate`)
 
 
 def folder() -> Path:
@@ -50,7 +50,7 @@ def path_for(target_fingerprint: str, draft_key: str, temperature: float, prior:
     return folder() / f"{digest}.json"
 
 
-MAX_COUNT = 1e6  # a decayed count never comes near this (the prior's 8, about 33 of evidence)
+MAX_COUNT = 1e6  # a count never comes near this (the pair's are at most PAIR_NODES = 32)
 MAX_LENGTH = 10 ** 7  # tokens of an answer
 MAX_STEPS = 10 ** 12
 

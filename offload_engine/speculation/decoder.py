@@ -259,6 +259,9 @@ class PrefixCache:
         """Forget one model's caches in every slot (a draft replaced by another: `Engine.switch_draft`)."""
         for seqs in self._slots:
             seqs.pop(model, None)
+            for seq in seqs.values():  # (a substitute draft's levels live on the target's sequence)
+                if seq.levels is not None and seq.levels.model is model:
+                    seq.levels = None
 
 
 AHEAD_JOBS = 4  # next trees grown ahead at once, for the most probable ends of this step
@@ -414,7 +417,9 @@ class SpeculativeDecoder:
         if draft is not None and draft_graphs != "off":
             seq = self.draft_seq
             if (seq.levels is None or seq.levels.capture != (draft_graphs == "on")
-                    or seq.levels.attention != draft.attention):
+                    or seq.levels.attention != draft.attention
+                    # (another draft's levels: a substitute draft's live on the target's sequence)
+                    or seq.levels.model is not draft or seq.levels.cache is not self.draft_cache):
                 seq.levels = StaticLevels(draft, self.draft_cache, capture=draft_graphs == "on")
             self.draft_levels = seq.levels
         self._draft_model = draft
