@@ -177,8 +177,8 @@ def _load_group(args, group: list[dict]) -> tuple[dict, list]:
             engines["draft-auto"] = _load(args, auto)
             owned.append(engines["draft-auto"])
             chosen = f"{engines['draft-auto'].draft_choice.chosen}-auto"
-            if any(m["mode"] == chosen for m in group):
-                engines[chosen] = engines["draft-auto"].variant()
+            if any(m["mode"] == chosen for m in group):  # (it keeps the chosen draft should draft-auto
+                engines[chosen] = engines["draft-auto"].variant()  # switch: that draft's own row still)
         for m in group:
             if m["mode"] not in engines:
                 engines[m["mode"]] = _load(args, m)

@@ -267,6 +267,7 @@ class Engine:
         self.draft_states: dict = {}
         self.draft_switches: list = []
         self.steps_with_draft = 0
+        self.switch_failed: set = set()  # drafts a switch to failed in this run (not tried again)
         self._switch_due = None  # (planner, temperature, budget) of the answer just decoded (`generate`)
         self._load_args: dict = {}  # what a draft switch rebuilds a draft and its plans with
         # --tree auto with a cached profile: its readings timed again at load (profiler.SpeedCheck)
@@ -531,6 +532,7 @@ class Engine:
         v.planners, v.gates = {}, {}
         v.remember = False  # (its planners start afresh from the load's state: they would overwrite the base's)
         v.draft_choice, v.draft_states, v.draft_switches = None, {}, []  # (a switch would change the base's draft)
+        v.switch_failed, v._switch_due = set(), None
         if adapt is not None:
             v.adapt = adapt
         if not draft or self.draft is None:
@@ -616,19 +618,27 @@ class Engine:
                     overlap == "on" or (overlap == "auto" and is_substitute_draft(name)))
                 self._plan_auto(None, args["budget"], args["depth"], args.get("progress", False),
                                 args.get("plan_tokens"))
-        except Exception as exc:  # (CUDA's out of memory is a RuntimeError; a profile unreadable, an OSError)
+        except BaseException as exc:  # (CUDA's out of memory is a RuntimeError; a profile unreadable, an
+            # OSError; Ctrl-C too: the old draft back before it goes on up)
             reason = str(exc).replace("\n", " ")[:300] or type(exc).__name__
+            self.switch_failed.add(name)  # (not tried again in this run: what failed once would again)
+            self.steps_with_draft = 0
             self._free_draft()
             try:  # the old one back, as it was
                 self.draft = self._build_draft(old)[0]
-            except Exception as again:
+            except BaseException as again:  # (a consistent engine without a draft: plain decoding)
                 self.draft_states.pop(old, None)
                 self.draft, self.draft_name, self.draft_key = None, None, None
                 self.auto_plans, self.planners, self.learned_paths = {}, {}, {}
                 self.draft_choice.chosen = "none"
+                for interrupt in (again, exc):
+                    if not isinstance(interrupt, Exception):
+                        raise interrupt from None
                 raise UserError(f"cannot switch the draft to {name} ({reason}), nor load {old} again "
                                 f"({str(again)[:300]}); going on without a draft") from None
             self._restore_draft_state(old)
+            if not isinstance(exc, Exception):
+                raise exc from None
             raise UserError(f"cannot switch the draft to {name} ({reason}); keeping {old}") from None
         self.draft_choice.chosen = name
         self.draft_choice.plan_for = self.plan_for
@@ -658,8 +668,9 @@ class Engine:
         """After an answer (--draft auto, adapting): switch drafts when what this run measured of
         the current one says another candidate wins (`draft_choice.switch_target`). Each switch
         doubles the steps the next one waits for (`switch_wait`), so that answers at temperatures
-        that favour different drafts do not make it switch back and forth for long. Never an
-        error: a switch that cannot be made is one line, and the answers go on."""
+        that favour different drafts do not make it switch back and forth for long; a draft whose
+        switch failed is not tried again. A switch that cannot be made is one line (`after_answer`
+        catches the rest), and the answers go on."""
         from .planning.adaptive import expected_length
         from .planning.draft_choice import adapted_speedup, switch_target, switch_wait
         length = expected_length(planner.ended, 0, max(1, budget - 1))
@@ -669,7 +680,7 @@ class Engine:
         mine = self.draft_choice.chosen
         target = switch_target(self.draft_choice, mine, current, temperature,
                                None if length is None else length + 1, self.steps_with_draft, kept,
-                               min_steps=switch_wait(len(self.draft_switches)))
+                               min_steps=switch_wait(len(self.draft_switches)), exclude=self.switch_failed)
         if target is None:
             return None
         name, predicted = target
@@ -731,7 +742,7 @@ class Engine:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: list[str] | str | None = None, on_token: OnToken | None = None,
                  cancel: threading.Event | None = None, suffix_key: object = None,
-                 plain: bool = False) -> GenerationResult:
+                 plain: bool = False, switch: bool = True) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (speculating when a draft is loaded).
         on_token(token_id, text) is called for every new token with the text it makes safe to
         show (possibly ''); the result's text excludes a matched stop string. The K/V of the
@@ -741,7 +752,10 @@ class Engine:
         requests this one drafts from and adds to (the server keeps one per API key, or per
         conversation without keys, so that one client's text does not speed up another's).
         `plain`: decode without the draft or suffix drafts (plain streamed decoding of this
-        engine's target, the yardstick a speed-up is measured against; `demo` uses it)."""
+        engine's target, the yardstick a speed-up is measured against; `demo` uses it).
+        `switch` (--draft auto): consider another draft once the answer is decoded, before
+        returning (its record in `stats["draft_switch"]`); False leaves that to `after_answer`,
+        for callers that hand the answer out first (the server, `chat`)."""
         try:
             params = SamplingParams(temperature, top_p, top_k)
         except ValueError as e:
@@ -767,10 +781,22 @@ class Engine:
                     m.interrupt = None
         # another draft, where this run says it wins: for the next answer, once this one's decoder,
         # caches and interrupt are gone (the answer's own time does not include it)
-        due, self._switch_due = self._switch_due, None
-        if due is not None:
-            result.stats["draft_switch"] = self._consider_switch(*due)
+        if switch:
+            result.stats["draft_switch"] = self.after_answer()
         return result
+
+    def after_answer(self) -> dict | None:
+        """--draft auto: after an answer decoded with `generate(switch=False)` and handed out,
+        switch drafts where this run says another wins (`_consider_switch`); the switch's record,
+        or None. Nothing to do otherwise (any engine may call it)."""
+        due, self._switch_due = self._switch_due, None
+        if due is None:
+            return None
+        try:
+            return self._consider_switch(*due)
+        except Exception as exc:  # (the answer is out: a failure here costs the switch, not the answer)
+            print(f"sequoia-offload: draft auto: no switch ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return None
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                 generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None,

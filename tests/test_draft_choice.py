@@ -416,6 +416,9 @@ def test_a_switch_that_fails_keeps_the_old_draft_and_the_answers_go_on(folders, 
         build, plan_auto = engine._build_draft, engine._plan_auto
         monkeypatch.setattr(draft_choice, "SWITCH_MIN_STEPS", 1)
         _faster(by["self-int8"], 100.0)
+        for c in choice.candidates:  # (the others far behind: self-int8 is the only one to switch to)
+            if c.name not in ("self-q4", "self-int8"):
+                _faster(c, 1e-3)
         for broken in ("build", "plan"):
             def failing_build(name):
                 if name == "self-int8" and broken == "build":
@@ -434,8 +437,33 @@ def test_a_switch_that_fails_keeps_the_old_draft_and_the_answers_go_on(folders, 
             assert choice.chosen == "self-q4" and engine.draft_name == "self-q4" and engine.draft is not None
             assert engine.draft_key.startswith("self-q4") and engine.planners[0.0] is old_planner
             assert "self-q4" not in engine.draft_states and engine.draft_switches == []
-            assert engine.generate("Hello", max_new_tokens=24, seed=1).token_ids == plain  # (on self-q4 still)
-            capsys.readouterr()
+            # on self-q4 still, and a switch that failed is not tried again (each try would free
+            # and rebuild the loaded draft)
+            assert engine.generate("Hello", max_new_tokens=24, seed=1).token_ids == plain
+            assert "cannot switch" not in capsys.readouterr().err and engine.switch_failed == {"self-int8"}
+            engine.switch_failed.clear()  # (for the next way of failing)
+
+        # Ctrl-C while the new draft is built: the old one back, and the interrupt goes on up
+        def interrupted(name):
+            if name == "self-int8":
+                raise KeyboardInterrupt
+            return build(name)
+        monkeypatch.setattr(engine, "_build_draft", interrupted)
+        monkeypatch.setattr(engine, "_plan_auto", plan_auto)
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate("Hello", max_new_tokens=24)
+        assert choice.chosen == "self-q4" and engine.draft is not None and engine.planners[0.0] is old_planner
+        assert engine.generate("Hello", max_new_tokens=24).token_ids == plain
+        engine.switch_failed.clear()
+        capsys.readouterr()
+
+        def broken_outlook(planner, length):
+            raise ValueError("a table that cannot be filled")
+        with monkeypatch.context() as m:  # (a failure before any switch: the answer is kept, one line)
+            m.setattr(draft_choice, "adapted_speedup", broken_outlook)
+            answer = engine.generate("Hello", max_new_tokens=24)
+        assert answer.token_ids == plain and answer.stats["draft_switch"] is None
+        assert "no switch (ValueError: a table that cannot be filled)" in capsys.readouterr().err
 
         def nothing_builds(name):
             raise RuntimeError("CUDA out of memory")

@@ -506,3 +506,45 @@ def test_the_chat_page_files_are_served_as_shipped_with_a_strict_policy(live):
             assert "script-src 'self'" in r.headers["Content-Security-Policy"]
             assert "default-src 'none'" in r.headers["Content-Security-Policy"]
             assert r.headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_a_draft_switch_waits_until_the_client_has_its_answer():
+    """--draft auto may load another draft after an answer (`Engine.after_answer`), which takes as
+    long as loading a draft. The worker hands the answer to its client first and switches after,
+    so the client does not wait for it (the next request does); the engine's generate is asked
+    not to switch itself."""
+    import asyncio
+
+    from offload_engine.apps.server import GenRequest, Job, Scheduler
+
+    class SwitchingEngine:
+        def __init__(self):
+            self.calls, self.release, self.job = [], threading.Event(), None
+
+        def generate(self, **kw):
+            self.calls.append(("generate", kw.get("switch")))
+            return "the answer"
+
+        def after_answer(self):
+            self.calls.append(("after_answer", None))
+            self.release.wait(timeout=10)
+
+    engine = SwitchingEngine()
+    scheduler = Scheduler(engine, max_queue=4)
+    loop = asyncio.new_event_loop()
+    try:
+        engine.job = job = Job(GenRequest([1], 1, 0.0, 1.0, 0, None, [], False, False), loop)
+        assert scheduler.submit(job)
+        # the "done" event is queued while the switch still holds the worker
+        kind, value = loop.run_until_complete(asyncio.wait_for(job.events.get(), timeout=5))
+        assert (kind, value) == ("done", "the answer")
+        for _ in range(300):
+            if len(engine.calls) == 2:
+                break
+            time.sleep(0.01)
+        assert engine.calls[0] == ("generate", False) and engine.calls[1][0] == "after_answer"
+        assert scheduler.status()["completed"] == 1
+    finally:
+        engine.release.set()
+        scheduler.close()
+        loop.close()

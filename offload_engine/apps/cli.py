@@ -475,8 +475,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
         print("assistant> ", end="", flush=True)
         try:
-            last_stats = engine.generate(messages=history, **_sampling(args), on_token=on_token).stats
+            last_stats = engine.generate(messages=history, **_sampling(args), on_token=on_token, switch=False).stats
             print("\n" + _stats_line(last_stats))
+            last_stats["draft_switch"] = engine.after_answer()  # (--draft auto, once the answer is out)
         except KeyboardInterrupt:
             print("\n(stopped)")
         except UserError as e:  # e.g. the conversation outgrew the context: keep the session

@@ -152,6 +152,8 @@ class Scheduler:
                 self.counts[outcome] += 1
                 job.finished = True
             job.push(*event)
+            if outcome == "completed" and not self._closed:  # --draft auto: another draft, where this run
+                self.engine.after_answer()  # says it wins, once the client has the answer (the next waits)
 
     def _generate(self, job: Job) -> GenerationResult:
         r = job.request
@@ -163,7 +165,8 @@ class Scheduler:
 
         return self.engine.generate(input_ids=r.ids, max_new_tokens=r.max_tokens, temperature=r.temperature,
                                     top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop or None,
-                                    on_token=on_token if r.stream else None, cancel=job.cancel, suffix_key=key)
+                                    on_token=on_token if r.stream else None, cancel=job.cancel, suffix_key=key,
+                                    switch=False)
 
 
 # ---- the app ------------------------------------------------------------------------------------

@@ -420,7 +420,8 @@ def switch_wait(switches: int) -> int:
 
 
 def switch_target(choice: DraftChoice, current: str, speedup: float, temperature: float, length: int | None,
-                  steps: int, kept: dict, min_steps: int | None = None) -> tuple[str, float] | None:
+                  steps: int, kept: dict, min_steps: int | None = None,
+                  exclude: set | frozenset = frozenset()) -> tuple[str, float] | None:
     """The candidate to load in place of `current` before the next answer, with its speed-up,
     or None: once `current` has decoded `min_steps` steps (`switch_wait`), the candidate on the same target
     plan (the same placement: it fits where `current` is) with the highest speed-up over plain
@@ -429,7 +430,8 @@ def switch_target(choice: DraftChoice, current: str, speedup: float, temperature
     fall back on). A candidate this run has used before counts with what it learned then
     (`kept`: name -> its adapted speed-up), the others with the table's prediction at the
     request's temperature and for answers of `length` tokens. `none` and `suffix` are never
-    switched to (plain decoding is the planner's own fallback)."""
+    switched to (plain decoding is the planner's own fallback), nor those in `exclude` (a switch
+    to them failed in this run)."""
     if steps < (SWITCH_MIN_STEPS if min_steps is None else min_steps):
         return None
     mine = next((c for c in choice.candidates if c.name == current), None)
@@ -437,7 +439,8 @@ def switch_target(choice: DraftChoice, current: str, speedup: float, temperature
         return None
     best = None
     for c in choice.candidates:
-        if c.name in (current, "none", "suffix") or c.dropped or not c.predicted or c.plan != mine.plan:
+        if (c.name in (current, "none", "suffix") or c.name in exclude or c.dropped or not c.predicted
+                or c.plan != mine.plan):
             continue
         if c.name in kept:
             value = kept[c.name]
