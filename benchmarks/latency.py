@@ -389,7 +389,9 @@ def run(args: argparse.Namespace) -> dict:
                         row["trees"] = describe_trees(steps)
                     row["shared_engine"] = all(e is not engines[m["mode"]] for e in owned)  # a variant
                     if m["mode"] == "draft-auto" and engines[m["mode"]].draft_choice is not None:  # its pick
-                        row["draft_chosen"] = engines[m["mode"]].draft_choice.chosen
+                        e = engines[m["mode"]]  # (at load: a switch since changes `chosen`)
+                        row["draft_chosen"] = e.draft_switches[0]["from"] if e.draft_switches else e.draft_choice.chosen
+                        row["draft_switches"] = r["draft_switches"]  # (this row's, after which prompt)
                     if m["mode"] == "plain-streamed":
                         plain_ids[t] = r["token_ids"]
                     row["token_ids"] = r["token_ids"]
@@ -477,6 +479,8 @@ def markdown(res: dict) -> str:
         mode = r["mode"] + (f" ({r['best_fixed_mode']})" if "best_fixed_mode" in r else "")
         if "vs_best_single" in r:
             chose = f"chose {r['draft_chosen']}; " if r.get("draft_chosen") else ""
+            chose += "".join(f"switched to {w['to']} after prompt {w['prompt'] + 1}; "
+                             for w in r.get("draft_switches") or [])
             mode += (f": {r['vs_best_single']:.2f}x the best single draft (per prompt, median "
                      f"{r['vs_best_single_paired']:.2f}x); {chose}{r.get('trees', 'plain decoding')}")
         elif r["kind"] == "control":

@@ -149,6 +149,11 @@ def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pai
             r.pop("trees", None)
             r["draft_chosen"] = "none"
     assert "chose none; plain decoding" in latency.markdown(res)
+    # a switch between answers: the row keeps it, and the table says after which prompt
+    assert all(r["draft_switches"] == [] for r in rows if r["mode"] == "draft-auto")  # (none in this short run)
+    r = next(r for r in res["rows"] if r["mode"] == "draft-auto")
+    r["draft_switches"] = [{"prompt": 1, "from": "none", "to": "self-int8", "seconds": 0.5, "why": "w"}]
+    assert "chose none; switched to self-int8 after prompt 2; plain decoding" in latency.markdown(res)
 
 
 def test_suffix_study_rows_and_their_plot(pair, tmp_path, monkeypatch):
