@@ -204,6 +204,12 @@ def plan_only(target="default", device=None, dtype=None, max_context=None, offlo
     return s.plan, s.folder, s.device, s.dtype
 
 
+def _overlap_on(plan: PlacementPlan, overlap: str, draft) -> bool:
+    """--overlap for `draft` on `plan`: "on", or "auto" for a substitute draft; never when no
+    layer streams (every pass has its layers at hand: nothing to overlap)."""
+    return bool(plan.streamed_layers) and (overlap == "on" or (overlap == "auto" and is_substitute_draft(draft)))
+
+
 def _tree_spec(kind: str, budget: int, depth: int, width: int, acceptance: AcceptanceVector | None) -> TreeSpec:
     if kind not in TREE_KINDS:
         raise UserError(f"--tree {kind!r}: choose one of {', '.join(TREE_KINDS)}")
@@ -446,9 +452,7 @@ class Engine:
                                  + ("+suffix" if use_suffix else ""))
         engine.adapt = adapt
         engine.remember = remember and adapt
-        # (nothing to overlap when no layer streams: every pass has its layers at hand)
-        engine.overlap = bool(s.plan.streamed_layers) and (
-            overlap == "on" or (overlap == "auto" and is_substitute_draft(draft)))
+        engine.overlap = _overlap_on(s.plan, overlap, draft)
         if use_suffix:
             engine.suffix_store = SuffixStore(suffix_memory)
             # --draft suffix alone: with --tree auto (and adaptation) each proposal is run, trimmed
@@ -586,7 +590,6 @@ class Engine:
         any draft. A switch that fails (the draft cannot be built or planned) puts the old draft
         back as it was and raises UserError; if even that fails, the engine goes on without a
         draft (plain decoding) and says so. Returns the switch's record (also in `draft_switches`)."""
-        import gc
         if self.draft_choice is None or not self.auto_plans:
             raise UserError("switch_draft: only an engine loaded with --draft auto and --tree auto switches drafts")
         if self.suffix_store is not None:
@@ -613,9 +616,7 @@ class Engine:
             if name in self.draft_states:
                 self._restore_draft_state(name)
             else:
-                overlap = args.get("overlap", "auto")
-                self.overlap = bool(self.plan.streamed_layers) and (
-                    overlap == "on" or (overlap == "auto" and is_substitute_draft(name)))
+                self.overlap = _overlap_on(self.plan, args.get("overlap", "auto"), name)
                 self._plan_auto(None, args["budget"], args["depth"], args.get("progress", False),
                                 args.get("plan_tokens"))
         except BaseException as exc:  # (CUDA's out of memory is a RuntimeError; a profile unreadable, an
@@ -669,8 +670,7 @@ class Engine:
         the current one says another candidate wins (`draft_choice.switch_target`). Each switch
         doubles the steps the next one waits for (`switch_wait`), so that answers at temperatures
         that favour different drafts do not make it switch back and forth for long; a draft whose
-        switch failed is not tried again. A switch that cannot be made is one line (`after_answer`
-        catches the rest), and the answers go on."""
+        switch failed is not tried again. Errors go up to `after_answer`, which makes each one line."""
         from .planning.adaptive import expected_length
         from .planning.draft_choice import adapted_speedup, switch_target, switch_wait
         length = expected_length(planner.ended, 0, max(1, budget - 1))
@@ -688,11 +688,7 @@ class Engine:
                f"{name} {'measured' if name in kept else 'is predicted'} {predicted:.2f}x")
         if self._load_args.get("progress", False):
             print(f"sequoia-offload: draft auto: switching from {mine} to {name} ({why})", file=sys.stderr)
-        try:
-            record = self.switch_draft(name, why)
-        except Exception as exc:  # (switch_draft has put back what it could; the answer is already out)
-            print(f"sequoia-offload: {exc}", file=sys.stderr)
-            return None
+        record = self.switch_draft(name, why)  # (a failure: `after_answer` says it; the old draft is back)
         if self._load_args.get("progress", False):
             print(f"sequoia-offload: draft auto: {name} loaded in {record['seconds']:.1f} s", file=sys.stderr)
         return record
@@ -794,9 +790,11 @@ class Engine:
             return None
         try:
             return self._consider_switch(*due)
+        except UserError as exc:  # (`switch_draft`'s: what failed, and what the engine goes on with)
+            print(f"sequoia-offload: {exc}", file=sys.stderr)
         except Exception as exc:  # (the answer is out: a failure here costs the switch, not the answer)
             print(f"sequoia-offload: draft auto: no switch ({type(exc).__name__}: {exc})", file=sys.stderr)
-            return None
+        return None
 
     def _decode(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                 generator: torch.Generator, stop: list[str] | str | None, on_token: OnToken | None,

@@ -823,19 +823,19 @@ class OnlinePlanner:
         moved = sum(abs(a - b) for a, b in zip(vector.probs, self._table_vector.probs))
         if moved <= REFILL_DISTANCE:
             return
-        cap = max(self.budgets) if between else max(32, 2 * self.current.budget)
-        while True:
-            ns = [n for n in self.budgets if n <= cap]
-            units = max(ns or [1]) ** 2 * self.max_depth * vector.width
-            if not between or not ns or units * self.refill_rate < allowance or max(ns) <= 32:
-                break
-            cap = max(ns) - 1  # (the next narrower fill)
-        if ns and units * self.refill_rate < allowance:
+        def units(n: int) -> int:  # (a fill up to budget n: its predicted cost is units * refill_rate)
+            return n ** 2 * self.max_depth * vector.width
+        if between:  # (the widest fill that fits, or 32 and below, which then must fit as well)
+            cap = max((n for n in self.budgets if n <= 32 or units(n) * self.refill_rate < allowance), default=0)
+        else:
+            cap = max(32, 2 * self.current.budget)
+        ns = [n for n in self.budgets if n <= cap]
+        if ns and units(max(ns)) * self.refill_rate < allowance:
             t_fill = time.perf_counter()
             refilled = Candidates(vector, ns, self.max_depth, TreeTable(vector, max(ns), self.max_depth))
             if self.planning_length() is not None:  # (its step-token distributions too: what a length reads)
                 refilled.tokens_for(1)
-            self.refill_rate = (time.perf_counter() - t_fill) / units
+            self.refill_rate = (time.perf_counter() - t_fill) / units(max(ns))
             # the candidates above the refill keep their trees and values from the last fill
             self.candidates = refilled.merged(self.candidates, above=max(ns))
             self._table_vector = vector
