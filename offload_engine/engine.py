@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.acceptance import AcceptanceVector, RankEvidence
 from sequoia_trees.optimizer import DEFAULT_MAX_DEPTH
 from sequoia_trees.sampling import SamplingParams
 
@@ -838,6 +838,8 @@ class Engine:
         ranks = (planner.candidates.acceptance.width if planner is not None
                  else spec.acceptance.width if spec.kind == "sequoia" else spec.max_nodes)
         steps, by_rank = 0, [0] * max(1, ranks)
+        # the hazard of each rank, from every accepted path's nodes (static trees' steps)
+        evidence = RankEvidence(max(1, ranks))
         # steps by the number of tree nodes they accepted (0 .. depth-1)
         by_length = [0] * (planner.max_depth if adaptive else spec.depth)
         pending = [token]
@@ -862,6 +864,10 @@ class Engine:
             ahead_levels += lt.ahead_levels
             for rank in step.verify.accepted_ranks:
                 by_rank[min(rank, len(by_rank) - 1)] += 1
+            verified = decoder.last_model_verify
+            if decoder.parents is not None and len(decoder.parents) > 1 and verified is not None \
+                    and decoder.last_arm != "suffix":  # (a static tree's step that ran the draft's nodes)
+                evidence.observe_step(decoder.parents, verified.accepted, verified.accepted_ranks)
             by_length[min(len(step.verify.accepted), len(by_length) - 1)] += 1
             pending = step.tokens
             if gate is not None:
@@ -892,7 +898,7 @@ class Engine:
                  "tree_budget": spec.max_nodes, "tree_depth": spec.depth, "suffix": suffix_stats,
                  "target_steps": steps, "tokens_per_step": (len(new) - 1) / steps if steps else 0.0,
                  "step_seconds": step_seconds,
-                 "acceptance_by_rank": by_rank, "accepted_lengths": by_length,
+                 "acceptance_by_rank": by_rank, "rank_evidence": evidence.as_dict(), "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
                  "auto": None if auto is None else _auto_stats(auto, planner, self.speed_check),
                  # seconds of the steps' parts (the target's pass without the draft work done in it)

@@ -81,3 +81,65 @@ def greedy_rates(target_logits, draft_logits, width: int):
     if best in top:
         rates[top.index(best)] = 1.0
     return rates
+
+
+def path_evidence(parents, accepted, ranks) -> list[tuple[int, int | None]]:
+    """What one verified step says of the acceptance hazards: along its accepted path (the root,
+    then `accepted`, node indices into the tree of `parents`), (children, rank) for each node
+    with children, `rank` the 0-based rank of the child accepted there (`ranks`, one per accepted
+    node) or None where every child was rejected. Ranks below the accepted one were tried and
+    rejected; a node whose children were all rejected tried them all."""
+    counts: dict[int, int] = {}
+    for p in parents[1:]:
+        counts[p] = counts.get(p, 0) + 1
+    out = []
+    for i, node in enumerate([0, *accepted]):
+        k = counts.get(node, 0)
+        if k == 0:
+            break
+        out.append((k, ranks[i] if i < len(accepted) else None))
+    return out
+
+
+class RankEvidence:
+    """Counts per rank r of nodes where r was tried (ranks below it rejected) and where it was
+    the one accepted: the hazards h_r = accepted_r / at_risk_r, the vector p_r = h_r * prod_{j<r}
+    (1 - h_j) (Sequoia's positional vector, the same at every depth). From a one-level tree of
+    `width` children this is exactly the frequency of each accepted rank; from deeper trees every
+    node of the accepted path counts, so a deep tree's step measures the first ranks several times
+    over where a one-level tree's measures them once."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.at_risk = [0] * width
+        self.accepted = [0] * width
+
+    def observe(self, children: int, rank: int | None) -> None:
+        tried = min(children, self.width) if rank is None else min(rank + 1, self.width)
+        for r in range(tried):
+            self.at_risk[r] += 1
+        if rank is not None and rank < self.width:
+            self.accepted[rank] += 1
+
+    def observe_step(self, parents, accepted, ranks) -> None:
+        for children, rank in path_evidence(parents, accepted, ranks):
+            self.observe(children, rank)
+
+    def add_counts(self, at_risk, accepted) -> None:
+        """Another's counts (`as_dict`'s lists), rank by rank."""
+        for r, (n, a) in enumerate(zip(at_risk, accepted)):
+            if r < self.width:
+                self.at_risk[r] += n
+                self.accepted[r] += a
+
+    def vector(self) -> AcceptanceVector:
+        """The vector these counts make (a rank never tried: hazard 0)."""
+        probs, left = [], 1.0
+        for a, n in zip(self.accepted, self.at_risk):
+            h = a / n if n else 0.0
+            probs.append(left * h)
+            left *= 1.0 - h
+        return AcceptanceVector(tuple(probs))
+
+    def as_dict(self) -> dict:
+        return {"at_risk": list(self.at_risk), "accepted": list(self.accepted)}

@@ -160,7 +160,7 @@ def test_the_timed_steps_trees_are_shaped_by_the_pairs_own_vectors(pair, tmp_pat
     ones by the sampled vector), and the profile records both; the step model is fitted to
     those trees' level widths."""
     from offload_engine import Engine
-    from offload_engine.speculation.acceptance_store import acceptance_cache_dir
+    from offload_engine.speculation.acceptance_store import MEASUREMENT, acceptance_cache_dir
     from offload_engine.speculation.decoder import SpeculativeDecoder
     from sequoia_trees.acceptance import AcceptanceVector
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -170,7 +170,8 @@ def test_the_timed_steps_trees_are_shaped_by_the_pairs_own_vectors(pair, tmp_pat
     acceptance_cache_dir().mkdir(parents=True)
     for t, probs in vectors.items():
         (acceptance_cache_dir() / f"pair-t{t:g}.json").write_text(json.dumps(
-            {"acceptance": list(probs), "temperature": t, "target_fingerprint": fp, "draft_key": dkey}))
+            {"acceptance": list(probs), "temperature": t, "target_fingerprint": fp, "draft_key": dkey,
+             "measurement": MEASUREMENT}))
     used = []  # every timed tree step's (greedy, the vector shaping its tree)
     real_set_spec = SpeculativeDecoder.set_spec
 
@@ -201,7 +202,8 @@ def test_the_timed_steps_trees_are_shaped_by_the_pairs_own_vectors(pair, tmp_pat
     assert "measured:" in capsys.readouterr().out and load_measured(again).fit_vector_greedy == vectors[0.0]
     # a vector too narrow for every timed shape (no (16, 4) tree with 2 children a node) is not used
     (acceptance_cache_dir() / "pair-t0.json").write_text(json.dumps(
-        {"acceptance": [0.9, 0.05], "temperature": 0.0, "target_fingerprint": fp, "draft_key": dkey}))
+        {"acceptance": [0.9, 0.05], "temperature": 0.0, "target_fingerprint": fp, "draft_key": dkey,
+         "measurement": MEASUREMENT}))
     with Engine.load(str(pair), device="cpu", draft="self-int8", tree="sequoia", offload="disk") as engine:
         shaping = profiler.shaping_vectors(engine)
     assert shaping[True] == profiler.PROFILE_VECTOR and shaping[False].probs == vectors[0.6]

@@ -152,7 +152,12 @@ def test_acceptance_command_with_an_identical_draft(pair, tmp_path, capsys, mode
                  "--out", str(out), "--width", "4", "--mode", mode, "--max-new-tokens", "12"]) == 0
     data = json.loads(out.read_text())
     assert data["acceptance"][0] == pytest.approx(1.0) and sum(data["acceptance"][1:]) == 0.0
-    assert data["samples"] > 5 and data["mode"] == mode
+    assert data["mode"] == mode
+    if mode == "on-policy":  # the measuring tree's 8 levels: each step accepts its 7 first children
+        assert data["depth"] == 8 and data["samples"] >= 4  # (two prompts, 12 tokens, 8 a step)
+        assert data["rank_evidence"]["accepted"][0] == data["rank_evidence"]["at_risk"][0] == 7 * data["samples"]
+    else:
+        assert data["samples"] > 5
     from sequoia_trees.acceptance import AcceptanceVector
     assert AcceptanceVector.from_json(out.read_text()).width == 4  # loadable as --acceptance
 

@@ -174,7 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(acc)
     acc.add_argument("--prompts", required=True, help="one prompt per line, or JSONL chat messages")
     acc.add_argument("--out", required=True, help="JSON file to write")
-    acc.add_argument("--width", type=int, default=32, help="children of the one-level tree (default 32)")
+    acc.add_argument("--width", type=int, default=32, help="on-policy: children of the measuring tree's root "
+                     "(and the vector's width; default 32)")
+    acc.add_argument("--depth", type=int, default=None,
+                     help="on-policy: levels of the measuring tree, its root's included (default 8: below the "
+                          "root's children, each first child has 4 children more, so a step's accepted path "
+                          "measures the first ranks several times over; 2: a one-level tree)")
     acc.add_argument("--mode", default="on-policy", choices=("on-policy", "teacher-forced"))
     acc.add_argument("--temperature", type=float, default=0.0)
     acc.add_argument("--top-p", type=float, default=1.0)
@@ -692,6 +697,9 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     from ..speculation import measure
     if args.width < 1:
         raise UserError(f"--width must be >= 1, got {args.width}")
+    depth = measure.MEASURE_DEPTH if args.depth is None else args.depth
+    if depth < 2:
+        raise UserError(f"--depth must be >= 2 (the root and its children), got {depth}")
     prompts = measure.read_prompts(args.prompts)[: args.limit]
     try:
         params = SamplingParams(args.temperature, args.top_p)
@@ -699,16 +707,20 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     args.draft = _model_draft(args.draft, "acceptance")
     if args.tree == "auto":
-        args.tree = "sequoia"  # the measurement picks its own one-level tree: load without planning
+        args.tree = "sequoia"  # the measurement picks its own tree: load without planning
     engine = _load(args)
+    evidence = None
     if args.mode == "on-policy":
-        vector, count = measure.on_policy(engine, prompts, args.width, params, args.max_new_tokens, args.seed)
+        vector, count, evidence, _ = measure.on_policy(engine, prompts, args.width, params, args.max_new_tokens,
+                                                       args.seed, depth)
     else:
         vector, count = measure.teacher_forced(engine, prompts, args.width, params, args.seed)
-    out = measure.vector_record(engine, vector, count, args.mode, args.width, params, len(prompts), args.draft)
+    out = measure.vector_record(engine, vector, count, args.mode, args.width, params, len(prompts), args.draft,
+                                evidence, depth if evidence is not None else None)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     head = ", ".join(f"{p:.3f}" for p in vector.probs[:8])
-    print(f"acceptance ({args.mode}, {count} {'steps' if args.mode == 'on-policy' else 'positions'}): "
+    seen = f", rank 1 tried {evidence.at_risk[0]} times" if evidence is not None else ""
+    print(f"acceptance ({args.mode}, {count} {'steps' if args.mode == 'on-policy' else 'positions'}{seen}): "
           f"p_1..p_8 = [{head}] (sum {sum(vector.probs[:8]):.3f}; all {len(vector.probs)}: "
           f"{sum(vector.probs):.3f}) -> {args.out}")
     return 0

@@ -84,7 +84,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
-from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.acceptance import AcceptanceVector, path_evidence
 from sequoia_trees.dp import TreeTable
 from sequoia_trees.optimizer import Candidates, Choice, Timings
 from sequoia_trees.verify import VerifyResult
@@ -788,13 +788,8 @@ class OnlinePlanner:
         return None if nxt == spec else nxt
 
     def _observe_path(self, parents: tuple[int, ...], result: VerifyResult) -> None:
-        children = Counter(parents[1:])
-        path = [0] + list(result.accepted)
-        for i, node in enumerate(path):
-            k = children.get(node, 0)
-            if k == 0:
-                break
-            self.accept.observe(k, result.accepted_ranks[i] if i < len(result.accepted) else None)
+        for children, rank in path_evidence(parents, result.accepted, result.accepted_ranks):
+            self.accept.observe(children, rank)
         self.accept.fade()
 
     def _replan(self, between: bool = False) -> bool:

@@ -62,9 +62,16 @@ def _vector(data, path: Path) -> AcceptanceVector:
         raise UserError(f"{path}: not an acceptance vector ({e})") from None
 
 
-def stored_vectors(target_fp: str | None, dkey: str | None,
-                   store: Path | None = None) -> dict[float, tuple[AcceptanceVector, Path]]:
-    """Every stored vector of the pair, by temperature."""
+# the version of `--tree auto`'s quick measurement (`measure.measure_and_cache`), in each vector
+# it caches: a cached vector of another version (or of none: the one-level tree's 48 steps,
+# before 2026-12-05) is not used, and the pair is measured again
+MEASUREMENT = 2
+
+
+def stored_vectors(target_fp: str | None, dkey: str | None, store: Path | None = None,
+                   measurement: int | None = None) -> dict[float, tuple[AcceptanceVector, Path]]:
+    """Every stored vector of the pair, by temperature (with `measurement`: those measured by
+    that version of the quick measurement alone)."""
     store = store if store is not None else STORE_DIR
     found: dict[float, tuple[AcceptanceVector, Path]] = {}
     if target_fp is None or dkey is None:
@@ -76,7 +83,8 @@ def stored_vectors(target_fp: str | None, dkey: str | None,
             continue  # not a stored vector
         t = data.get("temperature")  # a number a float holds (not NaN, not a 400-digit integer)
         if (data.get("target_fingerprint") == target_fp and data.get("draft_key") == dkey
-                and isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e300):
+                and isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e300
+                and (measurement is None or data.get("measurement") == measurement)):
             found[float(t)] = (vector, path)
     return found
 
@@ -96,6 +104,6 @@ def acceptance_cache_dir() -> Path:
 def known_vectors(target_fp: str | None, dkey: str | None) -> dict:
     """The pair's vectors by temperature, stored in the repo or cached (the repo's win a tie)."""
     found = stored_vectors(target_fp, dkey)
-    for t, v in stored_vectors(target_fp, dkey, acceptance_cache_dir()).items():
+    for t, v in stored_vectors(target_fp, dkey, acceptance_cache_dir(), MEASUREMENT).items():
         found.setdefault(t, v)
     return found

@@ -445,7 +445,7 @@ class SpeculativeDecoder:
             raise ValueError(f"a {spec.kind} tree needs a draft")
         self.spec = spec
         self.draft = self._draft_model if spec.kind != "none" else None
-        parents = spec.shape()
+        parents = self.parents = spec.shape()  # (None: the dynamic tree)
         if parents is None:
             self.shape = None
         else:

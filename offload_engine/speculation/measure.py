@@ -14,21 +14,29 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from sequoia_trees.acceptance import AcceptanceVector, greedy_rates, teacher_forced_rates
+from sequoia_trees.acceptance import AcceptanceVector, RankEvidence, greedy_rates, teacher_forced_rates
 from sequoia_trees.sampling import SamplingParams, logits_to_probs
 
 from ..errors import UserError
 from ..fsutil import DATA_DIR, atomic_write_text
-from .acceptance_store import acceptance_cache_dir, known_vectors, stored_vectors
+from .acceptance_store import MEASUREMENT, acceptance_cache_dir, known_vectors, stored_vectors
 from .decoder import TreeSpec
 
 DEFAULT_PROMPTS = DATA_DIR / "distill_prompts.jsonl"  # distill's prompt list, and auto's quick measurement's
 # --tree auto's quick on-policy measurement when no vector is stored for the pair
-AUTO_PROMPTS = 4
+AUTO_PROMPTS = 8  # at most; the measurement stops once the first rank was tried AUTO_TRIALS times
 AUTO_NEW_TOKENS = 24
+# the first rank's trials the quick measurement aims at: a draft the target follows 98% of the
+# time is rejected about 4 times in them (48 one-level steps, before 2026-12-05, saw 3 rejections
+# and stored 0.9375: what a deep tree is worth hangs on 1 - p_1)
+AUTO_TRIALS = 192
+# ... or rejected this many times: 1 - p_1 then known within about 15% (a weak draft, p_1 = 0.46,
+# gets there in about 4 prompts, where 192 trials took all 8 and 27-30 s against 12-14)
+AUTO_REJECTIONS = 48
 AUTO_WIDTH = 16
 AUTO_TEMPERATURES = (0.0, 0.6)
 
@@ -74,33 +82,95 @@ def _messages(path: Path, number: int, line: str) -> list[dict]:
 
 
 def vector_record(engine, vector: AcceptanceVector, samples: int, mode: str, width: int,
-                  params: SamplingParams, prompts: int, draft) -> dict:
-    """The JSON a measured vector is stored as (the acceptance command's output, the store's input)."""
-    return {"acceptance": list(vector.probs), "mode": mode, "width": width, "temperature": params.temperature,
-            "top_p": params.top_p, "samples": samples, "prompts": prompts, "target": str(engine.folder),
-            "draft": str(draft), "target_fingerprint": engine.target_fingerprint, "draft_key": engine.draft_key}
+                  params: SamplingParams, prompts: int, draft, evidence: RankEvidence | None = None,
+                  depth: int | list[int] | None = None) -> dict:
+    """The JSON a measured vector is stored as (the acceptance command's output, the store's
+    input); on-policy, the measuring tree's depth (per prompt, where it changed) and the counts per
+    rank (`RankEvidence`)."""
+    record = {"acceptance": list(vector.probs), "mode": mode, "width": width, "temperature": params.temperature,
+              "top_p": params.top_p, "samples": samples, "prompts": prompts, "target": str(engine.folder),
+              "draft": str(draft), "target_fingerprint": engine.target_fingerprint, "draft_key": engine.draft_key}
+    if depth is not None:
+        record["depth"] = depth
+    if evidence is not None:
+        record["rank_evidence"] = evidence.as_dict()
+    return record
+
+
+MEASURE_DEPTH = 8  # levels of the on-policy measuring tree, its root's included (2: one level)
+MEASURE_SPINE = 4  # children of each first child below the root's level
+DEEP_HAZARD = 0.8  # the first rank's hazard from which the quick measurement keeps MEASURE_DEPTH levels
+SHALLOW_DEPTH = 3  # its levels below that
+
+
+def measuring_tree(width: int, depth: int = MEASURE_DEPTH, spine: int = MEASURE_SPINE) -> tuple[int, ...]:
+    """Parents (BFS order) of the tree on-policy measurement decodes with: `width` children below
+    the root, then below each level's first child (rank 0) `spine` children more, `depth` levels
+    in all (depth 2: the one-level tree). A step whose first children are accepted k times in a
+    row measures rank 0 k + 1 times, where a one-level tree measures it once: with a draft that
+    the target follows 98% of the time, 48 one-level steps saw 3 rejections and stored 0.9375
+    (2026-12-05), and the planner then chose plain decoding for a pair whose steps of a deep
+    tree then accepted 0.97-0.98 at every depth."""
+    if width < 1 or depth < 2 or spine < 1:
+        raise ValueError(f"a measuring tree needs width >= 1, depth >= 2 and spine >= 1, got {width}, {depth}, {spine}")
+    parents, first = [-1] + [0] * width, 1
+    for _ in range(depth - 2):
+        start = len(parents)
+        parents += [first] * spine
+        first = start
+    return tuple(parents)
 
 
 def on_policy(engine, prompts: list[dict], width: int, params: SamplingParams, max_new_tokens: int,
-              seed: int) -> tuple[AcceptanceVector, int]:
-    """Decode every prompt with a one-level tree of `width` children; count the accepted rank."""
+              seed: int, depth: int | None = MEASURE_DEPTH,
+              trials: int | None = None, rejections: int | None = None) -> "OnPolicy":
+    """Decode the prompts with the measuring tree (`measuring_tree`: `width` children below the
+    root, `depth` levels; None: `measuring_depth` of the evidence so far, before each prompt); the
+    vector from the hazards of every accepted path's nodes (`RankEvidence`). With `trials` (or
+    `rejections`), stop after the prompt at which the first rank has been tried (or rejected)
+    that many times."""
     if engine.draft is None:
         raise UserError("measuring acceptance needs a draft (--draft)")
     saved, stored, auto = engine.tree, engine.stored_acceptance, engine.auto_plans
-    engine.tree = TreeSpec("sequoia", width + 1, 2, acceptance=AcceptanceVector((0.5 / width,) * width))
-    engine.stored_acceptance, engine.auto_plans = {}, {}  # the one-level tree of `width` children, whatever else
-    counts, steps = torch.zeros(width, dtype=torch.float64), 0
+    engine.stored_acceptance, engine.auto_plans = {}, {}  # the measuring tree, whatever else
+    evidence, steps, depths = RankEvidence(width), 0, []
     try:
         for i, item in enumerate(prompts):
+            levels = measuring_depth(evidence) if depth is None else depth
+            parents = measuring_tree(width, levels)
+            depths.append(levels)
+            engine.tree = TreeSpec("sequoia", len(parents), levels, parents=parents,
+                                   acceptance=AcceptanceVector((0.5 / width,) * width))
             stats = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=params.temperature,
                                     top_p=params.top_p, seed=seed + i).stats
-            counts += torch.tensor(stats["acceptance_by_rank"][:width], dtype=torch.float64)
+            evidence.add_counts(stats["rank_evidence"]["at_risk"], stats["rank_evidence"]["accepted"])
             steps += stats["target_steps"]
+            tried, rejected = evidence.at_risk[0], evidence.at_risk[0] - evidence.accepted[0]
+            if (trials is not None and tried >= trials) or (rejections is not None and rejected >= rejections):
+                break
     finally:
         engine.tree, engine.stored_acceptance, engine.auto_plans = saved, stored, auto
     if not steps:
         raise UserError("no speculation step ran (answers of one token?); use longer prompts or --max-new-tokens")
-    return AcceptanceVector(tuple((counts / steps).tolist())), steps
+    return OnPolicy(evidence.vector(), steps, evidence, tuple(depths))
+
+
+class OnPolicy(NamedTuple):
+    vector: AcceptanceVector
+    steps: int
+    evidence: RankEvidence
+    depths: tuple[int, ...]  # the measuring tree's levels, per prompt decoded
+
+
+def measuring_depth(evidence: RankEvidence) -> int:
+    """The measuring tree's levels for the next prompt: MEASURE_DEPTH once the first rank's
+    hazard is DEEP_HAZARD or more, else (and before anything is measured) SHALLOW_DEPTH: below a
+    draft that the target leaves at the first or second token, deeper levels cost draft passes
+    and measure almost nothing (the default draft, p_1 = 0.42: 8 levels on the first prompt, then
+    3, took 24 s where the one-level tree took 14)."""
+    if evidence.at_risk[0] and evidence.accepted[0] >= DEEP_HAZARD * evidence.at_risk[0]:
+        return MEASURE_DEPTH
+    return SHALLOW_DEPTH
 
 
 def teacher_forced(engine, prompts: list[dict], width: int, params: SamplingParams,
@@ -144,16 +214,21 @@ def measure_and_cache(engine, progress: bool, temperatures: tuple[float, ...] = 
     command's format."""
     if progress:
         print(f"sequoia-offload: no acceptance vector is stored for this pair: measuring one on-policy "
-              f"({AUTO_PROMPTS} prompts x {AUTO_NEW_TOKENS} tokens, width {AUTO_WIDTH}, T="
+              f"(up to {AUTO_PROMPTS} prompts x {AUTO_NEW_TOKENS} tokens, until the first rank is tried "
+              f"{AUTO_TRIALS} or rejected {AUTO_REJECTIONS} times; trees of {AUTO_WIDTH} children and up to "
+              f"{MEASURE_DEPTH} levels; T="
               f"{' and '.join(f'{t:g}' for t in temperatures)}), once; cached", file=sys.stderr)
     prompts = read_prompts(DEFAULT_PROMPTS)[:AUTO_PROMPTS]
     root = acceptance_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     out = {}
     for t in temperatures:
-        vector, steps = on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0)
-        data = vector_record(engine, vector, steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
-                             len(prompts), engine.draft_key)
+        got = on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0, depth=None,
+                        trials=AUTO_TRIALS, rejections=AUTO_REJECTIONS)
+        vector = got.vector
+        data = vector_record(engine, vector, got.steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
+                             len(got.depths), engine.draft_key, got.evidence, list(got.depths))
+        data["measurement"] = MEASUREMENT
         name = f"{engine.target_fingerprint}__{_safe(engine.draft_key)}__t{t:g}.json"
         atomic_write_text(root / name, json.dumps(data, indent=2) + "\n")
         out[t] = (vector, root / name)
