@@ -83,6 +83,22 @@ def greedy_rates(target_logits, draft_logits, width: int):
     return rates
 
 
+def tried_ranks(children: int, rank: int | None, width: int) -> int:
+    """How many of a node's first ranks (of `width` counted) were tried: those up to the accepted
+    `rank`, or all of its `children` when every one was rejected (None)."""
+    return min(children, width) if rank is None else min(rank + 1, width)
+
+
+def vector_from_hazards(hazards) -> AcceptanceVector:
+    """p_r = h_r * prod_{j<r} (1 - h_j): the vector of per-rank hazards (the chance rank r is
+    accepted when the ranks below it were not)."""
+    probs, left = [], 1.0
+    for h in hazards:
+        probs.append(left * h)
+        left *= 1.0 - h
+    return AcceptanceVector(tuple(probs))
+
+
 def path_evidence(parents, accepted, ranks) -> list[tuple[int, int | None]]:
     """What one verified step says of the acceptance hazards: along its accepted path (the root,
     then `accepted`, node indices into the tree of `parents`), (children, rank) for each node
@@ -115,8 +131,7 @@ class RankEvidence:
         self.accepted = [0] * width
 
     def observe(self, children: int, rank: int | None) -> None:
-        tried = min(children, self.width) if rank is None else min(rank + 1, self.width)
-        for r in range(tried):
+        for r in range(tried_ranks(children, rank, self.width)):
             self.at_risk[r] += 1
         if rank is not None and rank < self.width:
             self.accepted[rank] += 1
@@ -134,12 +149,7 @@ class RankEvidence:
 
     def vector(self) -> AcceptanceVector:
         """The vector these counts make (a rank never tried: hazard 0)."""
-        probs, left = [], 1.0
-        for a, n in zip(self.accepted, self.at_risk):
-            h = a / n if n else 0.0
-            probs.append(left * h)
-            left *= 1.0 - h
-        return AcceptanceVector(tuple(probs))
+        return vector_from_hazards(a / n if n else 0.0 for a, n in zip(self.accepted, self.at_risk))
 
     def as_dict(self) -> dict:
         return {"at_risk": list(self.at_risk), "accepted": list(self.accepted)}

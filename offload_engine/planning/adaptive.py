@@ -84,7 +84,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
-from sequoia_trees.acceptance import AcceptanceVector, path_evidence
+from sequoia_trees.acceptance import AcceptanceVector, path_evidence, tried_ranks, vector_from_hazards
 from sequoia_trees.dp import TreeTable
 from sequoia_trees.optimizer import Candidates, Choice, Timings
 from sequoia_trees.verify import VerifyResult
@@ -182,8 +182,7 @@ class AcceptanceEstimate:
     def observe(self, children: int, rank: int | None) -> None:
         """A node with `children` children whose child of 0-based `rank` was accepted (None:
         every child rejected)."""
-        tried = min(children, self.width) if rank is None else min(rank + 1, self.width)
-        for r in range(tried):
+        for r in range(tried_ranks(children, rank, self.width)):
             self.gen_at_risk[r] += 1.0
         if rank is not None and rank < self.width:
             self.gen_accepted[rank] += 1.0
@@ -221,11 +220,7 @@ class AcceptanceEstimate:
         self.gen_prior = GEN_PRIOR
 
     def vector(self) -> AcceptanceVector:
-        probs, left = [], 1.0
-        for h in self.hazards():
-            probs.append(left * h)
-            left *= 1.0 - h
-        return AcceptanceVector(tuple(probs))
+        return vector_from_hazards(self.hazards())
 
 
 class TimingEstimate:

@@ -28,7 +28,8 @@ from .decoder import TreeSpec
 
 DEFAULT_PROMPTS = DATA_DIR / "distill_prompts.jsonl"  # distill's prompt list, and auto's quick measurement's
 # --tree auto's quick on-policy measurement when no vector is stored for the pair
-AUTO_PROMPTS = 8  # at most; the measurement stops once the first rank was tried AUTO_TRIALS times
+AUTO_PROMPTS = 8  # at most: the measurement stops once the first rank was tried AUTO_TRIALS times
+# (or rejected AUTO_REJECTIONS times)
 AUTO_NEW_TOKENS = 24
 # the first rank's trials the quick measurement aims at: a draft the target follows 98% of the
 # time is rejected about 4 times in them (48 one-level steps, before 2026-12-05, saw 3 rejections
@@ -109,8 +110,7 @@ def measuring_tree(width: int, depth: int = MEASURE_DEPTH, spine: int = MEASURE_
     in all (depth 2: the one-level tree). A step whose first children are accepted k times in a
     row measures rank 0 k + 1 times, where a one-level tree measures it once: with a draft that
     the target follows 98% of the time, 48 one-level steps saw 3 rejections and stored 0.9375
-    (2026-12-05), and the planner then chose plain decoding for a pair whose steps of a deep
-    tree then accepted 0.97-0.98 at every depth."""
+    (2026-12-05), where the steps of a deep tree then accepted 0.97-0.98 at every depth."""
     if width < 1 or depth < 2 or spine < 1:
         raise ValueError(f"a measuring tree needs width >= 1, depth >= 2 and spine >= 1, got {width}, {depth}, {spine}")
     parents, first = [-1] + [0] * width, 1
@@ -225,13 +225,12 @@ def measure_and_cache(engine, progress: bool, temperatures: tuple[float, ...] = 
     for t in temperatures:
         got = on_policy(engine, prompts, AUTO_WIDTH, SamplingParams(t, 1.0), AUTO_NEW_TOKENS, 0, depth=None,
                         trials=AUTO_TRIALS, rejections=AUTO_REJECTIONS)
-        vector = got.vector
-        data = vector_record(engine, vector, got.steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
+        data = vector_record(engine, got.vector, got.steps, "on-policy", AUTO_WIDTH, SamplingParams(t, 1.0),
                              len(got.depths), engine.draft_key, got.evidence, list(got.depths))
         data["measurement"] = MEASUREMENT
         name = f"{engine.target_fingerprint}__{_safe(engine.draft_key)}__t{t:g}.json"
         atomic_write_text(root / name, json.dumps(data, indent=2) + "\n")
-        out[t] = (vector, root / name)
+        out[t] = (got.vector, root / name)
     return out
 
 
