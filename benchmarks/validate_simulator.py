@@ -1,7 +1,8 @@
 """Does the simulator predict real speed? Two checks, each within 15%:
 
 (a) this machine: the simulator fed this machine's measured profile (target disk-streamed,
-    draft resident, the profile `--tree auto` uses) and the pair's stored acceptance vector
+    draft resident, the profile `--tree auto` uses, rescaled as the engine rescales it when its
+    load's speed check finds the machine moved) and the pair's stored acceptance vector
     predicts the seconds per token of real runs with `--tree auto --no-adapt` (greedy, T=0), and of fixed
     Sequoia trees (`--trees`), measured here over `--prompts` prompts of benchmarks/prompts.jsonl
     (decode time only: prefill excluded, as the prediction is per decoding step), the trees taking
@@ -57,6 +58,9 @@ def check_machine(args) -> dict:
     # the profile's own prediction is what is checked: auto's first choice, kept (--no-adapt)
     engine = Engine.load("default", tree="auto", adapt=False, progress=True, plan_tokens=args.max_new_tokens, **common)
     prof, path, _ = profiler.cached_or_measured(engine, progress=True)
+    check = engine.speed_check  # the load's check of a cached profile: the prediction the engine makes
+    if check is not None and check.moved:  # uses the profile rescaled, and so does the one checked here
+        prof = profiler.rescaled(prof, check)
     plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
     factor = prof.timings(greedy=True).draft_factor
     configs = []
@@ -93,7 +97,8 @@ def check_machine(args) -> dict:
                      "predicted_seconds_per_token": predicted, "measured_seconds_per_token": measured,
                      "error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE})
     engine.close()
-    return {"profile": str(path), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
+    return {"profile": str(path), "speed_check": None if check is None else check.as_dict(),
+            "rescaled_by_speed_check": bool(check is not None and check.moved), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
             "fit_cv_error_greedy": prof.fit_cv_error_greedy,
             "shaped_by_pair_vector": bool(prof.fit_vector_greedy),
             "rows": rows, "within_tolerance": all(r["within_tolerance"] for r in rows),
