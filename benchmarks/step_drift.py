@@ -2,9 +2,12 @@
 moving? One process, one engine, one fixed Sequoia tree, rounds that take turns:
 
   generate  real greedy generations of benchmarks/prompts.jsonl (the steps a user runs), their
-            step parts (draft before the pass, the pass, the rest) per step;
-  profile   the profile's own kind of step (`profiler._time_steps`: a fresh decoder on 128
-            random tokens, the same tree), medians of its steps' parts;
+            step parts (draft before the pass, the pass, the rest): means per step over the
+            round (about 30 s), and the median step;
+  profile   steps like the profile's (`profiler._time_steps`: a fresh decoder on 128 random
+            tokens, the tree generate runs, shaped by the pair's stored vector; but ten steps of
+            one shape on one decoder, where the profile interleaves shapes and modes), medians
+            of their parts (about 5 s);
   compute   a pure-compute probe (a 64 x 576 by 576 x 1536 matmul, the draft's shape), matmuls
             per second in 1.5 s blocks: the machine's compute speed with no disk read at all.
 
@@ -28,8 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def generate_round(engine, prompts, max_new_tokens: int) -> dict:
+    """Per-step means of the parts over the round (as a run's s/token averages them), and the
+    median step (as the profile takes medians)."""
     parts = dict(draft=0.0, target=0.0, rest=0.0, total=0.0)
-    steps = 0
+    steps, each = 0, []
     for item in prompts:
         s = engine.generate(**item, max_new_tokens=max_new_tokens, temperature=0.0).stats
         split = s["step_split"]
@@ -38,7 +43,9 @@ def generate_round(engine, prompts, max_new_tokens: int) -> dict:
         parts["rest"] += split["rest"]
         parts["total"] += sum(s["step_seconds"])
         steps += s["target_steps"]
-    return {k: v / max(1, steps) for k, v in parts.items()} | {"steps": steps}
+        each += s["step_seconds"]
+    return ({k: v / max(1, steps) for k, v in parts.items()}
+            | {"steps": steps, "median_step": statistics.median(each) if each else 0.0})
 
 
 def profile_round(engine, g, ids: list[int], steps: int = 8) -> dict:
@@ -47,6 +54,10 @@ def profile_round(engine, g, ids: list[int], steps: int = 8) -> dict:
     from sequoia_trees.sampling import SamplingParams
     from offload_engine.speculation.decoder import SpeculativeDecoder, TreeSpec
     spec = engine.tree
+    if engine.stored_acceptance:  # the tree generate runs: shaped by the pair's vector nearest T=0
+        from dataclasses import replace
+        from offload_engine.speculation.acceptance_store import nearest
+        spec = replace(spec, acceptance=nearest(engine.stored_acceptance, 0.0)[0])
     dec = SpeculativeDecoder(engine.model, engine.draft, TreeSpec(), SamplingParams(0.0, 1.0), g,
                              len(ids) + (steps + 2) * (spec.depth + 1) + 16, max_nodes=spec.max_nodes,
                              timed=True, overlap=engine.overlap)
@@ -106,7 +117,7 @@ def main(argv=None) -> int:
         rounds.append(row)
         gen, prof, rates = row["generate"], row["profile_kind"], row["compute_per_s"]
         print(f"round {r + 1}: generate: draft {gen['draft']:.3f} s, pass {gen['target']:.3f} s, step "
-              f"{gen['total']:.3f} s ({gen['steps']} steps); profile kind: draft {prof['draft']:.3f} s, pass "
+              f"{gen['total']:.3f} s, median step {gen['median_step']:.3f} s ({gen['steps']} steps); profile kind: draft {prof['draft']:.3f} s, pass "
               f"{prof['target']:.3f} s, step {prof['total']:.3f} s; compute probe {min(rates):.0f}-"
               f"{max(rates):.0f} matmuls/s", flush=True)
     engine.close()
