@@ -31,14 +31,15 @@ def main(argv=None) -> int:
     prompts = read_prompts(ROOT / "benchmarks" / "prompts.jsonl")[:4]
     engine = Engine.load("default", tree="auto", adapt=False, progress=False, device="cpu", offload="disk",
                          draft=args.draft, plan_tokens=48)
-    # (with --force the load has measured a profile already when none was cached: this one is fresher)
-    prof, _, _ = profiler.cached_or_measured(engine, progress=False, force=args.force)
-    check = None if args.force else engine.speed_check  # (the load's check of the cached profile)
-    if check is not None:
-        print(check.describe())
-        if check.moved:  # the prediction the engine makes
-            prof = profiler.rescaled(prof, check)
-    predicted = prof.timings(greedy=True).plain()
+    check = None
+    if args.force:  # (the load measured a profile already when none was cached: this one is fresher)
+        prof, _, _ = profiler.cached_or_measured(engine, progress=False, force=True)
+        predicted = prof.timings(greedy=True).plain()
+    else:  # the prediction the engine makes: its T=0 plan's step model (rescaled where its load's check moved it)
+        check = engine.speed_check
+        if check is not None:
+            print(check.describe())
+        predicted = engine.auto_plans[min(engine.auto_plans)].timings.plain()
     print(f"the profile's plain step (greedy): {predicted:.4f} s")
     out = {"force": args.force, "speed_check": None if check is None else check.as_dict(),
            "predicted_plain_step_s": predicted, "repeats": []}

@@ -58,16 +58,16 @@ def check_machine(args) -> dict:
     # the profile's own prediction is what is checked: auto's first choice, kept (--no-adapt)
     engine = Engine.load("default", tree="auto", adapt=False, progress=True, plan_tokens=args.max_new_tokens, **common)
     prof, path, _ = profiler.cached_or_measured(engine, progress=True)
-    check = engine.speed_check  # the load's check of a cached profile: the prediction the engine makes
-    if check is not None and check.moved:  # uses the profile rescaled, and so does the one checked here
-        prof = profiler.rescaled(prof, check)
+    check = engine.speed_check  # the load's check of a cached profile (None: measured at load)
     plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
-    factor = prof.timings(greedy=True).draft_factor
+    # the step model the engine plans with: the profile's greedy one, rescaled where the check moved it
+    timings = plan.timings
+    factor = timings.draft_factor
     configs = []
     for tree in [None] + [tuple(int(x) for x in t.split(",")) for t in args.trees.split()]:
         # the pair's vector, as auto finds it; for generations of max_new_tokens (the steps make all
         # but the prefill's first; an answer that ends sooner at its end-of-sequence is not foreseen)
-        sim = simulator.simulate_measured(prof, None, 0.0, tree=tree, length=args.max_new_tokens - 1)
+        sim = simulator.simulate_measured(prof, None, 0.0, tree=tree, length=args.max_new_tokens - 1, timings=timings)
         # every tree on the one engine (a variant: the same target, executor and draft), since
         # two engines loaded in one process decode up to 20% apart here (benchmarks/engine_pair.py)
         run_engine = engine if tree is None else engine.variant(tree="sequoia", tree_budget=tree[0],

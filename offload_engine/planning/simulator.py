@@ -349,12 +349,14 @@ def _label(model) -> str | None:
 
 def simulate_measured(profile: MeasuredProfile, acceptance: str | Path | None, temperature: float = 0.0,
                       tree: tuple[int, int] | None = None, tokens_per_step: float | None = None,
-                      max_budget: int = 1024, max_depth: int = 24, length: int | None = None) -> Simulation:
+                      max_budget: int = 1024, max_depth: int = 24, length: int | None = None,
+                      timings: Timings | None = None) -> Simulation:
     """The prediction from a machine's measured profile: what `--tree auto` chooses there, with
     the pair's own vector (stored or cached, found by the profile's fingerprints, the one nearest
-    `temperature`) unless `acceptance` names a file; greedy timings at temperature 0; for
-    generations whose steps make `length` tokens (None: many)."""
-    timings = profile.timings(greedy=temperature == 0)
+    `temperature`) unless `acceptance` names a file; greedy timings at temperature 0 (or `timings`
+    given: the step model a loaded engine plans with, `AutoPlan.timings`, which its load's speed
+    check may have rescaled); for generations whose steps make `length` tokens (None: many)."""
+    timings = timings or profile.timings(greedy=temperature == 0)
     if acceptance is not None:
         vector, source = read_acceptance(acceptance)
     else:
