@@ -291,6 +291,8 @@ class Engine:
         self.learned_paths: dict = {}
         self._learned_warned = False
         self.overlap = False  # the draft grows the next tree during the pass (Engine.load overlap=)
+        self.overlap_gated = False  # --overlap auto: each step asks an `OverlapGate` (per draft and temperature)
+        self.overlap_gates: dict = {}
         self.suffix_gated = False  # --draft suffix alone, --tree auto: a `SuffixGate` per temperature
         self.gates: dict = {}
         # --draft suffix / X+suffix: earlier requests' prompts and outputs, per store key
@@ -453,6 +455,7 @@ class Engine:
         engine.adapt = adapt
         engine.remember = remember and adapt
         engine.overlap = _overlap_on(s.plan, overlap, draft)
+        engine.overlap_gated = overlap == "auto"
         if use_suffix:
             engine.suffix_store = SuffixStore(suffix_memory)
             # --draft suffix alone: with --tree auto (and adaptation) each proposal is run, trimmed
@@ -533,7 +536,7 @@ class Engine:
         v.__dict__.update(self.__dict__)
         v._base = self  # keeps the executor's owner alive
         v._finalizer = weakref.finalize(v, lambda: None)
-        v.planners, v.gates = {}, {}
+        v.planners, v.gates, v.overlap_gates = {}, {}, {}
         v.remember = False  # (its planners start afresh from the load's state: they would overwrite the base's)
         v.draft_choice, v.draft_states, v.draft_switches = None, {}, []  # (a switch would change the base's draft)
         v.switch_failed, v._switch_due = set(), None
@@ -825,10 +828,16 @@ class Engine:
                 gate = self.gates.setdefault(round(params.temperature, 3), SuffixGate())
                 gate_start = (gate.runs, gate.skips)
         choose = planner.choose_arm if planner is not None and drafter is not None else gate.choose if gate else None
+        overlap_gate = None
+        if self.overlap and draft is not None and self.overlap_gated and (adaptive or self.model.device.type == "cpu"):
+            # (its draft times are the draft's own only where steps are timed: on the CPU, or adapting)
+            from .planning.adaptive import OverlapGate
+            overlap_gate = self.overlap_gates.setdefault((self.draft_key, round(params.temperature, 3)), OverlapGate())
+            overlap_start = overlap_gate.counts()
         decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
                                      timed=adaptive, suffix=drafter, choose=choose,
-                                     overlap=self.overlap and draft is not None)
+                                     overlap=self.overlap and draft is not None, ahead_gate=overlap_gate)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()
         start = time.perf_counter()
@@ -904,7 +913,8 @@ class Engine:
                  # seconds of the steps' parts (the target's pass without the draft work done in it)
                  "step_split": split,
                  "overlap": None if not decoder.overlap else {
-                     "hits": decoder.ahead_hits, "misses": decoder.ahead_misses, "levels_used": ahead_levels},
+                     "hits": decoder.ahead_hits, "misses": decoder.ahead_misses, "levels_used": ahead_levels,
+                     **(overlap_gate.stats(overlap_start) if overlap_gate is not None else {})},
                  **self.model.layers.snapshot().minus(before).as_dict()}
         if planner is not None and self.remember and planner.adapt and auto.temperature in self.learned_paths:
             self._keep_learned(planner, auto.temperature)  # (after the answer's time is taken)

@@ -63,6 +63,9 @@ class StreamStats:
     pass_seconds: float = 0.0
     idle_work_seconds: float = 0.0  # of the stalls: other work done while waiting (`LayerExecutor.idle`)
     idle_window_seconds: float = 0.0  # of the stalls: those where `idle` work may run (not the last layers')
+    # how much later layers started than they could have: the time from a layer being in to the
+    # end of the `idle` work that was still running then (what growing ahead added to the pass)
+    idle_overrun_seconds: float = 0.0
 
     prefetched_bytes: int = 0  # filled ahead for the next pass, not yet consumed (when read)
 
@@ -124,6 +127,9 @@ class LayerExecutor:
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
+        # per buffer: when its last fill was in (perf_counter on the CPU, an event on the copy
+        # stream on CUDA), for `idle_overrun_seconds`
+        self.ready_at: list[object] = [None] * (plan.buffers if plan.streamed_layers else 0)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         k = plan.buffers if self.order else 0
@@ -236,7 +242,7 @@ class LayerExecutor:
                     w = self.resident[i]
                 else:
                     b = self._consumed % len(self.buffers)
-                    self._wait_ready(b, i)
+                    self._wait_ready(b, i, last_end)
                     held = b
                     with self._lock:  # the bytes this buffer's fill moved, counted as consumed
                         read, copied = self.filled[b]
@@ -280,29 +286,47 @@ class LayerExecutor:
         self._consumed += 1
         self.free[b].release()
 
-    def _wait_ready(self, b: int, i: int) -> None:
+    def _wait_ready(self, b: int, i: int, since) -> None:
         """Wait for buffer b's layer (layer i), doing `idle` work while it is not in: on the CPU
         while the loader has not filled it, on CUDA while its copy has not landed (the work is
-        queued on the compute stream ahead of the layer, so it runs in the gap)."""
+        queued on the compute stream ahead of the layer, so it runs in the gap). What that work
+        delayed the layer by is added to `idle_overrun_seconds`: on the CPU, from the layer being
+        in to the end of the last unit; on CUDA, from the later of the layer's copy and the end
+        of the layer before (`since`) to the end of the work queued before the layer."""
         idle = self.idle if i < self.plan.num_layers - IDLE_TAIL_LAYERS else None
         if idle is None:
             return self._acquire(self.ready[b])
+        unit_end, more = None, True  # when the last unit of idle work returned (None: none ran)
         while not self.ready[b].acquire(blocking=False):
             if self._error is not None:
                 self._raise_loader_error()
-            if not self._idle_unit(idle):
-                return self._acquire(self.ready[b])
+            more = self._idle_unit(idle)
+            unit_end = time.perf_counter()
+            if not more:
+                self._acquire(self.ready[b])
+                break
         if self._error is not None:
             self._raise_loader_error()
         if self.cuda:  # one unit queued at a time: the next only once the GPU has run the last
             stream = torch.cuda.current_stream(self.device)
-            while not self.ready_events[b].query():
+            while more and not self.ready_events[b].query():
                 if self._idle_done is not None and not self._idle_done.query():
                     break
-                if not self._idle_unit(idle):
-                    break
+                more = self._idle_unit(idle)
+                unit_end = time.perf_counter()
                 self._idle_done = torch.cuda.Event()
                 self._idle_done.record(stream)
+                if not more:
+                    break
+            if unit_end is not None:  # (the layer's kernels start after the work queued before them)
+                self._pending.append(("idle_overrun_seconds", (self.ready_at[b], since), self.clock.mark(stream)))
+        elif unit_end is not None:
+            self._pending.append(("idle_overrun_seconds", (self.ready_at[b],), unit_end))
+
+    def overrun_seconds(self) -> float:
+        """`idle_overrun_seconds` so far (on CUDA, of the passes whose events have completed)."""
+        self._collect(wait=False)
+        return self.stats.idle_overrun_seconds
 
     def _idle_unit(self, idle: Callable[[], bool]) -> bool:
         start = time.perf_counter()
@@ -342,7 +366,11 @@ class LayerExecutor:
             keep = []
             for name, start, end in self._pending:
                 if wait or not self.cuda or end.query():
-                    setattr(self.stats, name, getattr(self.stats, name) + self.clock.seconds(start, end))
+                    if name == "idle_overrun_seconds":  # from the latest of the starts; none if negative
+                        seconds = max(0.0, min(self.clock.seconds(s, end) for s in start))
+                    else:
+                        seconds = self.clock.seconds(start, end)
+                    setattr(self.stats, name, getattr(self.stats, name) + seconds)
                 else:
                     keep.append((name, start, end))
             self._pending = keep
@@ -365,6 +393,8 @@ class LayerExecutor:
                 with self._lock:
                     self.filled[b] = (read, copied)
                     self._filled_ahead += copied
+                if not self.cuda:  # (CUDA: the event after the copy and conversion, `_fill`)
+                    self.ready_at[b] = time.perf_counter()
                 self.ready[b].release()
                 n += 1
         except BaseException as e:  # surfaced on the compute side by _acquire
@@ -404,6 +434,7 @@ class LayerExecutor:
                     self._dequantize(layer, b)
             self.ready_events[b].record(self.copy_stream)
             converted = self.clock.mark(self.copy_stream)
+            self.ready_at[b] = converted
             with self._lock:
                 self._pending.append(("copy_seconds", start, end))
                 if packed:

@@ -352,14 +352,16 @@ class SpeculativeDecoder:
     A draft with `shares_cache` (a substitute self-draft) runs on the target's cache: no cache,
     prefill or catching up of its own. overlap: while the target's pass waits for streamed layers
     (`LayerExecutor.idle`), the draft grows the next step's static tree ahead for the likeliest
-    ends of this one (`GrownAhead`); "eager" runs all of that before the pass instead."""
+    ends of this one (`GrownAhead`); "eager" runs all of that before the pass instead. ahead_gate:
+    with overlap, an `OverlapGate` (`--overlap auto`) that says before each step whether it grows
+    ahead, and is told after it what growing cost and gained."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, spec: TreeSpec, params: SamplingParams,
                  generator: torch.Generator, capacity: int, prefix_cache: PrefixCache | None = None,
                  verify: str = "auto", draft_graphs: str = "auto", max_nodes: int | None = None,
                  timed: bool = False, suffix: SuffixDrafter | None = None,
                  choose: Callable[[SuffixProposal], str | tuple[str, SuffixProposal]] | None = None,
-                 overlap: bool | str = False):
+                 overlap: bool | str = False, ahead_gate=None):
         if spec.kind == "none" and max_nodes is None:
             draft = None  # a one-node tree: the draft has nothing to do (and its cache stays as it was)
         if verify not in VERIFY_MODES:
@@ -395,6 +397,7 @@ class SpeculativeDecoder:
         self._tree_guesses = None  # per node of the step's tree, the bonus guess (where ahead jobs start)
         self._ahead_work = None  # the generator growing them (`_grow_ahead`)
         self.ahead_hits = self.ahead_misses = 0
+        self.ahead_gate = ahead_gate if self.overlap and not self.ahead_eager else None
         # a substitute self-draft shares the target's cache: one sequence, the draft writing its
         # tree's K/V after the committed length through a view (the target's pass then writes
         # its own K/V over the same slots, and only accepted ones are committed)
@@ -545,9 +548,11 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         self.last_nodes = len(parents)  # the width of this step's target pass
         used_ahead, self._used_ahead = self._used_ahead, 0
+        gate = self.ahead_gate
         ahead = self._start_ahead(tokens) if (self.overlap and drafting and arm == "model" and not fixed
-                                              and self.shape is not None) else None
+                                              and self.shape is not None and (gate is None or gate.grow)) else None
         layers = self.target.layers
+        overrun = layers.overrun_seconds() if gate is not None else 0.0
         if ahead is not None and self.ahead_eager:
             while self._ahead_unit():
                 pass
@@ -567,6 +572,10 @@ class SpeculativeDecoder:
             self.ahead_hits += match is not None
             self.ahead_misses += match is None
             self._ready = (ahead, match) if match is not None else None
+        if gate is not None:  # (the draft's levels before the pass: a static tree's, less those grown ahead)
+            fresh = len(self.shape.levels) - used_ahead if drafting and arm == "model" and self.shape is not None else 0
+            gate.observe(ahead is not None and ahead.seconds > 0, layers.overrun_seconds() - overrun, used_ahead,
+                         t1 - t_caught, fresh)
         path = [0] + list(result.accepted)
         kept = [host_tokens[i] for i in path]
         base = self.target_cache.length

@@ -1,0 +1,224 @@
+"""`--overlap auto`'s gate on growing the next tree during the target's pass: the executor's
+measure of what the draft work in a pass's waits delayed it by (`idle_overrun_seconds`) against
+the pass's own length with and without that work; the gate's rule (`OverlapGate`) on made-up
+steps; and on the real decoder, a gate that stops growing what is never used, with greedy output
+equal to plain decoding's."""
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from offload_engine.formats.checkpoint import Checkpoint
+from offload_engine.formats.config import load_config
+from offload_engine.planning import adaptive
+from offload_engine.planning.adaptive import GROW_MIN, GROW_REST, GROW_REST_MAX, OverlapGate
+from offload_engine.runtime import streamer
+from offload_engine.runtime.layer_store import LayerLayout
+from offload_engine.runtime.loader import OffloadOptions, load_target
+from offload_engine.runtime.placement import fixed_parts, make_plan
+from offload_engine.speculation.decoder import SpeculativeDecoder
+from tiny_models import greedy_past_eos, make_tiny_checkpoint
+
+LAYERS = 8
+FILL_S = 0.02  # a layer's fill, slowed: the passes wait for every layer
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("gate") / "m", "llama3-gqa", layers=LAYERS, seed=3,
+                                  init_std=0.05)
+    return folder
+
+
+def _streamed(ckpt, tmp_path, buffers):
+    c = Checkpoint(ckpt, load_config(ckpt))
+    layer = LayerLayout.for_config(c.config, torch.float32).block_bytes
+    fixed = sum(fixed_parts(c.config, torch.float32, 64, 16).values())
+    plan = make_plan(c.config, torch.float32, offload="disk", vram_bytes=fixed + buffers * layer + layer // 2,
+                     ram_bytes=0, buffers=buffers, max_context=64, max_batch_tokens=16)
+    assert plan.buffers == buffers and len(plan.disk_layers) == LAYERS
+    return load_target(c, torch.float32, torch.device("cpu"), plan,
+                       OffloadOptions("disk", buffers=buffers, store_root=tmp_path), progress=False)
+
+
+def _passes(model, idle, k=3):
+    """k one-token passes with `idle` as the executor's wait work: (median pass seconds, the
+    overrun per pass)."""
+    layers = model.layers
+    layers.idle = idle
+    times, before = [], layers.snapshot().idle_overrun_seconds
+    try:
+        for _ in range(k):
+            cache = model.new_cache(4)
+            t0 = time.perf_counter()
+            model.forward(torch.tensor([1]), torch.tensor([0]), cache)
+            times.append(time.perf_counter() - t0)
+    finally:
+        layers.idle = None
+    return statistics.median(times), (layers.snapshot().idle_overrun_seconds - before) / k
+
+
+def _worker(seconds):
+    """Wait work like a draft layer's: torch compute, in units of about `seconds` (measured)."""
+    a = torch.randn(128, 128)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    reps = max(1, round(20 * seconds / (time.perf_counter() - t0)))
+
+    def unit():
+        for _ in range(reps):
+            a @ a
+        return True
+    return unit
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_the_overrun_is_what_the_wait_work_added_to_the_pass(ckpt, tmp_path, monkeypatch, buffers):
+    """Every fill takes FILL_S more, so every layer is waited for. Work in 1 ms units fits the
+    waits: the overrun is at most a unit per layer, and so is what it adds to the pass. Work in
+    45 ms units outlasts each wait: with one buffer the pass is longer by the overrun (the loader
+    cannot fill ahead while the layer in hand waits for the work); with two, the loader fills the
+    next buffer meanwhile and hides part of it, and the overrun is an upper bound. Thresholds:
+    10-15 ms and a tenth of the overrun for timing on a busy 2-core machine (a unit's length
+    varies with it; measured: lengthened by 84, 132 and 133 ms where the overrun read 90, 135
+    and 140). Work that runs out before the layer is in adds nothing."""
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):
+        time.sleep(FILL_S)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    model = _streamed(ckpt, tmp_path, buffers)
+    try:
+        _passes(model, None, 1)  # (warm)
+        plain, none = _passes(model, None)
+        assert none == 0.0
+        short, short_over = _passes(model, _worker(0.001))
+        long, long_over = _passes(model, _worker(0.045))
+        _, ran_out = _passes(model, _limited(_worker(0.001), 3))
+    finally:
+        model.layers.close()
+    waited = LAYERS - streamer.IDLE_TAIL_LAYERS  # layers whose waits take work
+    assert 0 <= short_over <= waited * 0.003 + 0.005, short_over
+    assert short <= plain + waited * 0.003 + 0.015, (short, plain)
+    assert 0 <= ran_out <= 0.005, ran_out  # (the layers came in after the work ran out: no overrun)
+    lengthened = long - plain
+    print(f"buffers {buffers}: pass {plain:.4f} s, with 45 ms units {long:.4f} s, overrun {long_over:.4f} s")
+    if buffers == 1:
+        assert long_over >= 0.05, long_over  # (units outlast the layers' waits)
+        assert abs(lengthened - long_over) <= 0.1 * long_over + 0.012, (lengthened, long_over)
+    else:  # (the loader a layer ahead: some layers are in when wanted, and take no work)
+        assert long_over >= 0.02 and lengthened <= long_over + 0.01, (lengthened, long_over)
+
+
+def _limited(unit, k):
+    """`unit` k times a pass, then nothing left (the way a tree grown ahead runs out)."""
+    left = [0]
+
+    def limited():
+        if left[0] <= 0:
+            left[0] = k  # (the next call starts the next pass's work)
+            return False
+        left[0] -= 1
+        return unit()
+    left[0] = k
+    return limited
+
+
+def _step(gate, grew=True, overrun=0.0, used=0, draft=0.04, fresh=4):
+    gate.observe(grew, overrun, used, draft, fresh)
+
+
+def test_the_gate_stops_growing_what_is_never_used_and_tries_again_ever_later():
+    gate = OverlapGate()
+    log = []
+    for _ in range(400):
+        log.append(gate.grow)
+        _step(gate, grew=gate.grow, overrun=0.0, used=0)
+    # GROW_MIN + 1 grown steps (the last one's gain is known only at the step after), then a
+    # rest; each trial of GROW_MIN + 1 steps loses again and doubles the rest, up to the cap
+    runs, k = [], 0
+    while k < len(log):
+        j = k
+        while j < len(log) and log[j] == log[k]:
+            j += 1
+        runs.append((log[k], j - k))
+        k = j
+    grown = [n for on, n in runs[:-1] if on]
+    rests = [n for on, n in runs[:-1] if not on]
+    assert all(n == GROW_MIN + 1 for n in grown), runs
+    assert rests[:4] == [GROW_REST, 2 * GROW_REST, 4 * GROW_REST, min(8 * GROW_REST, GROW_REST_MAX)], rests
+    assert max(rests) == GROW_REST_MAX and gate.stops == len(grown)
+    assert gate.grown_steps == sum(n for on, n in runs if on)
+
+
+def test_the_gate_keeps_growing_while_the_levels_used_are_worth_the_overrun():
+    gate = OverlapGate()
+    for k in range(200):  # a level costs 10 ms (40 ms over 4); 1 level used per step, 8 ms of overrun
+        _step(gate, grew=True, overrun=0.008, used=1 if k else 0, draft=0.04, fresh=4)
+        assert gate.grow, k
+    assert gate.gain_seconds == pytest.approx(199 * 0.010)
+    assert gate.cost_seconds == pytest.approx(200 * 0.008)
+    # the same levels at 12 ms of overrun a step: it stops once the window says so
+    for k in range(GROW_MIN + 2):
+        _step(gate, grew=True, overrun=0.012, used=1, draft=0.04, fresh=4)
+    assert not gate.grow and gate.stops == 1
+
+
+def test_a_trial_that_wins_sets_the_rest_back():
+    gate = OverlapGate()
+    while gate.grow:  # lose twice: the rest doubles
+        _step(gate, grew=True, overrun=0.01, used=0)
+    for _ in range(GROW_REST):
+        _step(gate, grew=False)
+    assert gate.grow
+    while gate.grow:
+        _step(gate, grew=True, overrun=0.01, used=0)
+    assert gate.rest == 4 * GROW_REST  # (the next rest, after this one of 2 x GROW_REST)
+    for _ in range(2 * GROW_REST):
+        _step(gate, grew=False)
+    assert gate.grow
+    for _ in range(GROW_MIN + 2):  # a trial whose levels are used
+        _step(gate, grew=True, overrun=0.0, used=2)
+    assert gate.grow and gate.rest == GROW_REST
+
+
+def test_steps_that_grew_nothing_do_not_count():
+    """A pass with no wait grows nothing: no cost, no gain, and no reason to stop."""
+    gate = OverlapGate()
+    for _ in range(100):
+        _step(gate, grew=False, overrun=0.0, used=0)
+    assert gate.grow and gate.stops == 0 and gate.grown_steps == 0
+
+
+@pytest.mark.slow
+def test_a_gate_stops_growing_trees_whose_case_never_comes_and_output_stays_plain(ckpt, tmp_path, monkeypatch):
+    """self-q8 on a disk-streamed target whose every fill is slowed (the passes wait and grow
+    trees ahead), with the check of a grown tree's case made to answer no: `--overlap auto`
+    grows GROW_MIN + 1 steps, stops, and tries again after GROW_REST; output equals plain
+    greedy's, with the gate and with `--overlap on` (which grows in every step)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):
+        time.sleep(0.01)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    plain = greedy_past_eos(ckpt, PROMPT, 40)[0].token_ids
+    monkeypatch.setattr(SpeculativeDecoder, "_case_came", staticmethod(lambda job, last, result: False))
+    kw = dict(tree="sequoia", draft="self-q8", draft_group_size=32, offload="disk", buffers=2, tree_budget=4,
+              tree_depth=3)
+    gated, _ = greedy_past_eos(ckpt, PROMPT, 40, overlap="auto", **kw)
+    assert gated.token_ids == plain
+    stats = gated.stats["overlap"]
+    assert stats["hits"] == 0 and stats["gate_stops"] >= 1, stats
+    assert stats["misses"] <= stats["grown_steps"], stats  # (nothing grown while it rests)
+    assert stats["grown_steps"] <= (GROW_MIN + 1) * stats["gate_stops"] + GROW_MIN + 1, stats
+    assert stats["rested_steps"] >= GROW_REST, stats
+    always, _ = greedy_past_eos(ckpt, PROMPT, 40, overlap="on", **kw)
+    assert always.token_ids == plain
+    assert "gate" not in always.stats["overlap"] and always.stats["overlap"]["misses"] >= gated.stats["target_steps"] - 1
