@@ -23,11 +23,13 @@ Modes, each over the same prompts at each temperature (seeded per prompt):
   model-auto, model-N,D, hybrid-auto, hybrid-N,D
                    (`--suffix-study`) the model draft alone and with suffix drafts grafted on
                    (`--draft MODEL+suffix`), with `--tree auto` and with a fixed Sequoia tree
-  default, self-int8, self-int4, self-q8, self-q4, self-q8-no-overlap, self-q4-no-overlap
+  default, self-int8, self-int4, self-q8, self-q4, self-q8-no-overlap, self-q4-no-overlap,
+  self-q8-overlap-auto, self-q4-overlap-auto
                    (`--draft-study`) each draft at one fixed Sequoia tree (`--study-tree`): the
                    distilled default draft, the full self-drafts, and the substitute self-drafts
                    (the target's resident layers, quantised copies of the streamed ones, the
-                   target's KV cache shared) with and without the next tree grown during the pass;
+                   target's KV cache shared) with the next tree grown during every pass
+                   (`--overlap on`), never (`off`), and as `--overlap auto`'s gate says;
                    each row also splits its steps' time: draft before the pass, draft overlapped
                    (inside the pass), the pass, the rest
   best-fixed       (a row computed, not run) the fastest of plain-streamed and the fixed Sequoia
@@ -83,7 +85,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                          "and hybrid-N,D rows (default 16,4)")
     p.add_argument("--draft-study", action="store_true",
                    help="only plain-streamed and each draft (default, self-int8, self-int4, self-q8, self-q4, "
-                        "the last two also without overlap) at the fixed tree --study-tree, with each step's "
+                        "the last two also without overlap and with --overlap auto) at the fixed tree "
+                        "--study-tree, with each step's "
                         "time split")
     p.add_argument("--draft-auto-study", action="store_true",
                    help="only plain-streamed, each candidate draft with --tree auto (default, self-int8, self-int4, "
@@ -205,7 +208,8 @@ def _draft_modes(n: int, d: int) -> list[dict]:
     return ([{"mode": "plain-streamed", "kind": "none", "draft": False}]
             + [{"mode": name, "draft_name": name, **fixed} for name in ("default", "self-int8", "self-int4")]
             + [{"mode": name + tail, "draft_name": name, "overlap": overlap, **fixed}
-               for name in ("self-q8", "self-q4") for tail, overlap in (("", "on"), ("-no-overlap", "off"))])
+               for name in ("self-q8", "self-q4")
+               for tail, overlap in (("", "on"), ("-no-overlap", "off"), ("-overlap-auto", "auto"))])
 
 
 DRAFT_CANDIDATES = ("default", "self-int8", "self-int4", "self-q8", "self-q4")
@@ -235,6 +239,7 @@ def _empty() -> dict:
     return {"decode_seconds": 0.0, "tokens": 0, "steps": 0, "target_passes": 0, "bytes_streamed": 0,
             "new_tokens": 0, "token_ids": [], "auto": None, "per_prompt": [], "suffix_accepted": 0,
             "suffix_matched": 0, "gate_runs": 0, "gate_skips": 0, "split": {}, "ahead_hits": 0, "ahead_misses": 0,
+            "overlap_gate": {},
             "by_prompt": [], "draft_switches": []}
 
 
@@ -263,6 +268,9 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
     if s.get("overlap"):
         acc["ahead_hits"] += s["overlap"]["hits"]
         acc["ahead_misses"] += s["overlap"]["misses"]
+        for k in ("grown_steps", "rested_steps", "gate_stops", "cost_seconds", "gain_seconds"):
+            if k in s["overlap"]:  # (--overlap auto's gate)
+                acc["overlap_gate"][k] = acc["overlap_gate"].get(k, 0) + s["overlap"][k]
     if s.get("suffix"):
         acc["suffix_accepted"] += s["suffix"]["accepted_tokens"]
         acc["suffix_matched"] += s["suffix"]["matched_steps"]
@@ -376,6 +384,8 @@ def run(args: argparse.Namespace) -> dict:
                         row["split_ms_per_step"] = {k: 1e3 * v / r["steps"] for k, v in r["split"].items()}
                     if r["ahead_hits"] + r["ahead_misses"]:  # steps whose next tree was grown in the pass
                         row["ahead_hits"], row["ahead_steps"] = r["ahead_hits"], r["ahead_hits"] + r["ahead_misses"]
+                    if r["overlap_gate"]:
+                        row["overlap_gate"] = r["overlap_gate"]
                     if "suffix" in m.get("draft_name", ""):  # suffix drafts: tokens they gave, steps they matched
                         row["suffix_accepted_tokens"], row["suffix_matched_steps"] = (r["suffix_accepted"],
                                                                                       r["suffix_matched"])
@@ -503,6 +513,10 @@ def markdown(res: dict) -> str:
         for r in split:
             sp = r["split_ms_per_step"]
             used = f"{r['ahead_hits']} of {r['ahead_steps']} steps" if "ahead_steps" in r else "-"
+            if r.get("overlap_gate"):
+                g = r["overlap_gate"]
+                used += (f"; gate: grew in {g['grown_steps']}, rested {g['rested_steps']}, cost "
+                         f"{1e3 * g['cost_seconds']:.0f} ms, levels used worth {1e3 * g['gain_seconds']:.0f} ms")
             lines.append(f"| {r['mode']} | {r['temperature']:g} | {sp['draft_before_pass']:.1f} | "
                          f"{sp['draft_overlapped']:.1f} | {sp['target_pass']:.1f} | {sp['rest']:.1f} | {used} |")
     p = res.get("peer")

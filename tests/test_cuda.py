@@ -215,6 +215,20 @@ def test_substitute_draft_with_overlap_equals_plain_on_cuda(ckpt, tmp_path, monk
             engine.model.forward(torch.tensor(seq, device=CUDA), torch.arange(n, device=CUDA), fresh)
             torch.testing.assert_close(dec.target_cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-3, rtol=1e-2)
             torch.testing.assert_close(dec.target_cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-3, rtol=1e-2)
+        # --overlap auto's gate on the device: steps timed, the overrun read from CUDA events
+        # after each pass (`LayerExecutor._collect`); the output is still plain greedy's
+        from offload_engine.planning.adaptive import OverlapGate
+        gate = OverlapGate()
+        dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(0.0),
+                                 torch.Generator().manual_seed(0), 256, overlap=True, timed=True, ahead_gate=gate)
+        root = dec.first_token(dec.prefill(ids, 1024))
+        out = [root]
+        while len(out) < 32:
+            step = dec.step(out[-1])
+            out += step.tokens
+        assert out[:32] == want[:32]
+        assert gate.grown_steps + gate.rested_steps >= 4
+        assert engine.model.layers.snapshot().idle_overrun_seconds >= 0.0
     finally:
         engine.close()
 

@@ -12,8 +12,7 @@ import torch
 
 from offload_engine.formats.checkpoint import Checkpoint
 from offload_engine.formats.config import load_config
-from offload_engine.planning import adaptive
-from offload_engine.planning.adaptive import GROW_MIN, GROW_REST, GROW_REST_MAX, OverlapGate
+from offload_engine.planning.adaptive import GROW_FIRST, GROW_MIN, GROW_REST, GROW_REST_MAX, OverlapGate
 from offload_engine.runtime import streamer
 from offload_engine.runtime.layer_store import LayerLayout
 from offload_engine.runtime.loader import OffloadOptions, load_target
@@ -129,8 +128,18 @@ def _limited(unit, k):
     return limited
 
 
-def _step(gate, grew=True, overrun=0.0, used=0, draft=0.04, fresh=4):
-    gate.observe(grew, overrun, used, draft, fresh)
+def _step(gate, grew=True, overrun=0.0, used=0, draft=0.04, fresh=4, nodes=16, seconds=0.1):
+    gate.observe(grew, overrun, used, draft, fresh, nodes, seconds)
+
+
+def _started(gate=None):
+    """A gate past its first GROW_FIRST steps (passes of 16 nodes in 0.1 s that grew nothing)."""
+    gate = gate or OverlapGate()
+    assert not gate.grow
+    for _ in range(GROW_FIRST):
+        _step(gate, grew=False)
+    assert gate.grow
+    return gate
 
 
 def test_the_gate_stops_growing_what_is_never_used_and_tries_again_ever_later():
@@ -139,8 +148,9 @@ def test_the_gate_stops_growing_what_is_never_used_and_tries_again_ever_later():
     for _ in range(400):
         log.append(gate.grow)
         _step(gate, grew=gate.grow, overrun=0.0, used=0)
-    # GROW_MIN + 1 grown steps (the last one's gain is known only at the step after), then a
-    # rest; each trial of GROW_MIN + 1 steps loses again and doubles the rest, up to the cap
+    # GROW_FIRST steps to compare with, then GROW_MIN + 1 grown steps (the last one's gain is
+    # known only at the step after), then a rest; each trial loses again and doubles the rest,
+    # up to the cap
     runs, k = [], 0
     while k < len(log):
         j = k
@@ -151,26 +161,40 @@ def test_the_gate_stops_growing_what_is_never_used_and_tries_again_ever_later():
     grown = [n for on, n in runs[:-1] if on]
     rests = [n for on, n in runs[:-1] if not on]
     assert all(n == GROW_MIN + 1 for n in grown), runs
-    assert rests[:4] == [GROW_REST, 2 * GROW_REST, 4 * GROW_REST, min(8 * GROW_REST, GROW_REST_MAX)], rests
+    assert rests[:5] == [GROW_FIRST, GROW_REST, 2 * GROW_REST, 4 * GROW_REST, min(8 * GROW_REST, GROW_REST_MAX)]
     assert max(rests) == GROW_REST_MAX and gate.stops == len(grown)
     assert gate.grown_steps == sum(n for on, n in runs if on)
 
 
-def test_the_gate_keeps_growing_while_the_levels_used_are_worth_the_overrun():
-    gate = OverlapGate()
-    for k in range(200):  # a level costs 10 ms (40 ms over 4); 1 level used per step, 8 ms of overrun
-        _step(gate, grew=True, overrun=0.008, used=1 if k else 0, draft=0.04, fresh=4)
+def test_the_gate_keeps_growing_while_the_levels_used_are_worth_what_the_pass_grew_by():
+    gate = _started()
+    for k in range(200):  # a level costs 10 ms (40 ms over 4); 1 level used a step; the pass 8 ms longer
+        _step(gate, grew=True, overrun=0.002, used=1 if k else 0, seconds=0.108)
         assert gate.grow, k
     assert gate.gain_seconds == pytest.approx(199 * 0.010)
     assert gate.cost_seconds == pytest.approx(200 * 0.008)
-    # the same levels at 12 ms of overrun a step: it stops once the window says so
+    # the same levels with the pass 12 ms longer: it stops once the window says so
     for k in range(GROW_MIN + 2):
-        _step(gate, grew=True, overrun=0.012, used=1, draft=0.04, fresh=4)
+        _step(gate, grew=True, overrun=0.002, used=1, seconds=0.112)
     assert not gate.grow and gate.stops == 1
 
 
+def test_the_cost_is_the_pass_grown_where_it_exceeds_the_overrun():
+    """Passes 50 ms longer when growing, of which the executor saw 5 ms as overrun (the loader
+    slowed by the draft's work, as on a CPU): the gate counts the 50 and stops; without passes of
+    the same width to compare with it counts the overrun, and goes on."""
+    gate = _started()
+    for _ in range(GROW_MIN + 2):
+        _step(gate, grew=True, overrun=0.005, used=2, seconds=0.15)  # gains 20 ms a step
+    assert not gate.grow and gate.cost_seconds >= (GROW_MIN + 1) * 0.05 - 1e-9
+    other = _started()
+    for _ in range(50):  # (the passes compared with were of 16 nodes, these are of 32)
+        _step(other, grew=True, overrun=0.005, used=2, nodes=32, seconds=0.15)
+    assert other.grow and other.cost_seconds == pytest.approx(50 * 0.005)
+
+
 def test_a_trial_that_wins_sets_the_rest_back():
-    gate = OverlapGate()
+    gate = _started()
     while gate.grow:  # lose twice: the rest doubles
         _step(gate, grew=True, overrun=0.01, used=0)
     for _ in range(GROW_REST):
@@ -189,7 +213,7 @@ def test_a_trial_that_wins_sets_the_rest_back():
 
 def test_steps_that_grew_nothing_do_not_count():
     """A pass with no wait grows nothing: no cost, no gain, and no reason to stop."""
-    gate = OverlapGate()
+    gate = _started()
     for _ in range(100):
         _step(gate, grew=False, overrun=0.0, used=0)
     assert gate.grow and gate.stops == 0 and gate.grown_steps == 0

@@ -59,7 +59,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "1,000,000, 4 bytes each; the oldest are forgotten)")
     t.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
                    help="grow the next step's tree while the target's pass waits for streamed layers (static "
-                        "trees; default auto: on for the substitute self-drafts self-q8 / self-q4)")
+                        "trees; default auto: for the substitute self-drafts self-q8 / self-q4, while what the "
+                        "next steps used of it is worth what it delayed the passes by; on: every step)")
     t.add_argument("--draft-group-size", type=int, default=64,
                    help="self-int4 / self-q4: inputs per quantisation group (default 64)")
     t.add_argument("--tree", default="auto", choices=("auto", "sequoia", "specexec", "specinfer", "chain", "none"),

@@ -447,43 +447,50 @@ GROW_WINDOW = 8  # steps that grew the next tree ahead, whose gains and costs th
 GROW_MIN = 4  # of them, with their gains known, before the gate judges
 GROW_REST = 8  # steps without growing ahead before the gate tries again
 GROW_REST_MAX = 64  # each trial that loses doubles the rest, up to this
+GROW_FIRST = 2  # steps without growing ahead that the gate starts with: passes to compare with
 
 
 class OverlapGate:
     """`--overlap auto`: whether a step grows the next tree ahead while its pass waits for
     streamed layers (`SpeculativeDecoder`'s `GrownAhead`), from what growing measured.
 
-    A step that grew pays what its draft work delayed its pass by: the executor's
+    A step that grew pays what it made its pass longer: the pass (with verification) against the
+    median of recent passes of as many nodes that grew nothing, and at least the executor's
     `idle_overrun_seconds` (a layer in while a unit of draft work still ran, or on CUDA still
-    queued before it). It gains, at the next step, the draft levels that step found grown, each
-    at the draft's measured time per level (the median of recent steps' levels drawn before the
-    pass). The gate keeps growing while the gains of its last GROW_WINDOW grown steps (GROW_MIN
-    at least, gains known) are at least their costs, and while some of them were used at all: a
-    tree grown ahead that is never used has no upside, and it can cost more than the overrun
-    counts (on the H200 with random weights, growing that never hit delayed the copies behind
-    the buffers it held: + 34.5 ms a step against + 27.5 ms without, 2026-12-04). When it loses
-    it stops for GROW_REST steps, then tries again; a trial that loses doubles the rest (up to
-    GROW_REST_MAX), one that wins sets it back. Steps whose pass grew nothing (no wait to grow
-    into) neither cost nor gain, and do not count. One gate lives on the engine per draft and
-    request temperature, so what it learned carries from one generation to the next.
+    queued before it), which is all it counts until such passes are at hand. The overrun alone
+    is not enough on a CPU, where draft work in the waits also slows the loader: on the 2-vCPU
+    machine a float32 pass grew by 90 ms a step with overlap where the overrun read 28 ms
+    (2026-12-06). It gains, at the next step, the draft levels that step found grown, each at the
+    draft's measured time per level (the median of recent steps' levels drawn before the pass).
+    The gate keeps growing while the gains of its last GROW_WINDOW grown steps (GROW_MIN at
+    least, gains known) are at least their costs, and while some of them were used at all: a
+    tree grown ahead that is never used has no upside, and it can cost more than either measure
+    sees (on the H200 with random weights, growing that never hit delayed the copies behind the
+    buffers it held: + 34.5 ms a step against + 27.5 ms without, 2026-12-04). When it loses it
+    stops for GROW_REST steps, then tries again; a trial that loses doubles the rest (up to
+    GROW_REST_MAX), one that wins sets it back. It starts with GROW_FIRST steps without growing,
+    so that its first trial has passes to compare with. Steps whose pass grew nothing (no wait
+    to grow into) neither cost nor gain. One gate lives on the engine per draft and request
+    temperature, so what it learned carries from one generation to the next.
 
     Exactness: the choice is made before the step, from earlier steps; a tree grown ahead is a
     proposal, and whether one was grown changes only what is proposed."""
 
     def __init__(self):
-        self.grow = True
+        self.grow, self.rest_left = False, GROW_FIRST
         self.window: deque = deque(maxlen=GROW_WINDOW)  # [cost, gain, gain known] per step that grew
         self.levels: deque[float] = deque(maxlen=2 * GROW_WINDOW)  # seconds per draft level, recent steps
-        self.rest, self.rest_left = GROW_REST, 0
+        self.passes: dict[int, deque] = {}  # nodes -> seconds of recent passes that grew nothing
+        self.rest = GROW_REST
         self.grown_steps = self.rested_steps = self.stops = 0
         self.cost_seconds = self.gain_seconds = 0.0  # over every step observed
         self._last = None  # the window's entry of the step before, when it grew
 
     def observe(self, grew: bool, overrun: float, used_levels: int, draft_seconds: float,
-                fresh_levels: int) -> None:
-        """One step: whether its pass grew anything ahead and what that delayed the pass by, the
-        levels of its own tree that came grown ahead, and its draft's time before the pass over
-        the levels it drew then."""
+                fresh_levels: int, nodes: int = 0, pass_seconds: float = 0.0) -> None:
+        """One step: whether its pass grew anything ahead and what the executor found that
+        delayed the pass by, the levels of its own tree that came grown ahead, its draft's time
+        before the pass over the levels it drew then, and its pass (nodes, seconds)."""
         if fresh_levels > 0 and draft_seconds > 0:
             self.levels.append(draft_seconds / fresh_levels)
         if self._last is not None:  # what the step before grew, and this step used
@@ -491,6 +498,8 @@ class OverlapGate:
             self._last[1], self._last[2] = gain, True
             self.gain_seconds += gain
             self._last = None
+        if not grew and nodes > 1 and pass_seconds > 0:
+            self.passes.setdefault(nodes, deque(maxlen=GROW_WINDOW)).append(pass_seconds)
         if not self.grow:
             self.rested_steps += 1
             self.rest_left -= 1
@@ -498,9 +507,11 @@ class OverlapGate:
                 self.grow = True
             return
         if grew:
+            ref = self.passes.get(nodes)
+            cost = max(overrun, pass_seconds - statistics.median(ref)) if ref else overrun
             self.grown_steps += 1
-            self.cost_seconds += overrun
-            self._last = [overrun, 0.0, False]
+            self.cost_seconds += cost
+            self._last = [cost, 0.0, False]
             self.window.append(self._last)
         known = [e for e in self.window if e[2]]
         if len(known) < GROW_MIN:
@@ -520,7 +531,7 @@ class OverlapGate:
         now = self.counts()
         grown, rested, stops, cost, gain = (a - b for a, b in zip(now, before))
         return {"gate": "growing" if self.grow else "resting", "grown_steps": grown, "rested_steps": rested,
-                "gate_stops": stops, "overrun_seconds": cost, "gain_seconds": gain}
+                "gate_stops": stops, "cost_seconds": cost, "gain_seconds": gain}
 
     def counts(self) -> tuple:
         return self.grown_steps, self.rested_steps, self.stops, self.cost_seconds, self.gain_seconds

@@ -365,9 +365,14 @@ class LayerExecutor:
         with self._lock:
             keep = []
             for name, start, end in self._pending:
-                if wait or not self.cuda or end.query():
-                    if name == "idle_overrun_seconds":  # from the latest of the starts; none if negative
-                        seconds = max(0.0, min(self.clock.seconds(s, end) for s in start))
+                # (an overrun's starts include the layer's copy, on another stream than its end)
+                starts = start if isinstance(start, tuple) else (start,)
+                if wait or not self.cuda or (end.query() and all(s.query() for s in starts)):
+                    if isinstance(start, tuple):  # an overrun: from the latest start; none if negative
+                        if self.cuda:
+                            for s in starts:
+                                s.synchronize()
+                        seconds = max(0.0, min(self.clock.seconds(s, end) for s in starts))
                     else:
                         seconds = self.clock.seconds(start, end)
                     setattr(self.stats, name, getattr(self.stats, name) + seconds)

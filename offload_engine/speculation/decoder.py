@@ -575,7 +575,7 @@ class SpeculativeDecoder:
         if gate is not None:  # (the draft's levels before the pass: a static tree's, less those grown ahead)
             fresh = len(self.shape.levels) - used_ahead if drafting and arm == "model" and self.shape is not None else 0
             gate.observe(ahead is not None and ahead.seconds > 0, layers.overrun_seconds() - overrun, used_ahead,
-                         t1 - t_caught, fresh)
+                         t1 - t_caught, fresh, len(parents), t2 - t1)
         path = [0] + list(result.accepted)
         kept = [host_tokens[i] for i in path]
         base = self.target_cache.length
