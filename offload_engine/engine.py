@@ -829,14 +829,13 @@ class Engine:
                 gate_start = (gate.runs, gate.skips)
         choose = planner.choose_arm if planner is not None and drafter is not None else gate.choose if gate else None
         overlap_gate = None
-        if self.overlap and draft is not None and self.overlap_gated and (adaptive or self.model.device.type == "cpu"):
-            # (its draft times are the draft's own only where steps are timed: on the CPU, or adapting)
+        if self.overlap and draft is not None and self.overlap_gated:  # (its decoder's steps are timed)
             from .planning.adaptive import OverlapGate
             overlap_gate = self.overlap_gates.setdefault((self.draft_key, round(params.temperature, 3)), OverlapGate())
             overlap_start = overlap_gate.counts()
         decoder = SpeculativeDecoder(self.model, draft, spec, params, generator, len(ids) + budget,
                                      self.prefix_cache, max_nodes=planner.max_nodes if adaptive else None,
-                                     timed=adaptive, suffix=drafter, choose=choose,
+                                     timed=adaptive or overlap_gate is not None, suffix=drafter, choose=choose,
                                      overlap=self.overlap and draft is not None, ahead_gate=overlap_gate)
         stream = TextStream(self.tokenizer.decode, stop)
         before = self.model.layers.snapshot()

@@ -1,6 +1,8 @@
 """CUDA paths of the executor (run with `pytest -m cuda` on a machine with an NVIDIA GPU;
 `make test` deselects them). Without a GPU these fail loudly rather than skip."""
 
+import time
+
 import pytest
 import torch
 
@@ -218,6 +220,14 @@ def test_substitute_draft_with_overlap_equals_plain_on_cuda(ckpt, tmp_path, monk
         # --overlap auto's gate on the device: steps timed, the overrun read from CUDA events
         # after each pass (`LayerExecutor._collect`); the output is still plain greedy's
         from offload_engine.planning.adaptive import OverlapGate
+        from offload_engine.runtime import streamer
+        fill = streamer.LayerExecutor._fill
+
+        def slow(self, *args):  # (every layer's copy queued 10 ms late: the passes wait, and grow)
+            time.sleep(0.01)
+            return fill(self, *args)
+        monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+        work = engine.model.layers.snapshot().idle_work_seconds
         gate = OverlapGate()
         dec = SpeculativeDecoder(engine.model, engine.draft, engine.tree, SamplingParams(0.0),
                                  torch.Generator().manual_seed(0), 256, overlap=True, timed=True, ahead_gate=gate)
@@ -227,8 +237,8 @@ def test_substitute_draft_with_overlap_equals_plain_on_cuda(ckpt, tmp_path, monk
             step = dec.step(out[-1])
             out += step.tokens
         assert out[:32] == want[:32]
-        assert gate.grown_steps + gate.rested_steps >= 4
-        assert engine.model.layers.snapshot().idle_overrun_seconds >= 0.0
+        assert gate.grown_steps >= 1, gate.counts()  # (its events resolved: no error reading them)
+        assert engine.model.layers.snapshot().idle_work_seconds > work
     finally:
         engine.close()
 

@@ -43,21 +43,28 @@ def _streamed(ckpt, tmp_path, buffers):
                        OffloadOptions("disk", buffers=buffers, store_root=tmp_path), progress=False)
 
 
-def _passes(model, idle, k=3):
-    """k one-token passes with `idle` as the executor's wait work: (median pass seconds, the
-    overrun per pass)."""
+def _pass(model, idle) -> tuple[float, float]:
+    """One one-token pass with `idle` as the executor's wait work: (seconds, its overrun)."""
     layers = model.layers
-    layers.idle = idle
-    times, before = [], layers.snapshot().idle_overrun_seconds
+    layers.idle, before = idle, layers.snapshot().idle_overrun_seconds
     try:
-        for _ in range(k):
-            cache = model.new_cache(4)
-            t0 = time.perf_counter()
-            model.forward(torch.tensor([1]), torch.tensor([0]), cache)
-            times.append(time.perf_counter() - t0)
+        cache = model.new_cache(4)
+        t0 = time.perf_counter()
+        model.forward(torch.tensor([1]), torch.tensor([0]), cache)
+        seconds = time.perf_counter() - t0
     finally:
         layers.idle = None
-    return statistics.median(times), (layers.snapshot().idle_overrun_seconds - before) / k
+    return seconds, layers.snapshot().idle_overrun_seconds - before
+
+
+def _interleaved(model, idles: dict, rounds=5) -> dict:
+    """Passes of each kind of wait work, interleaved round by round (a slow spell of a shared
+    machine falls on all kinds alike): per kind, (median seconds, median overrun)."""
+    got = {name: [] for name in idles}
+    for _ in range(rounds):
+        for name, idle in idles.items():
+            got[name].append(_pass(model, idle))
+    return {name: (statistics.median(t for t, _ in v), statistics.median(o for _, o in v)) for name, v in got.items()}
 
 
 def _worker(seconds):
@@ -93,14 +100,14 @@ def test_the_overrun_is_what_the_wait_work_added_to_the_pass(ckpt, tmp_path, mon
     monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
     model = _streamed(ckpt, tmp_path, buffers)
     try:
-        _passes(model, None, 1)  # (warm)
-        plain, none = _passes(model, None)
-        assert none == 0.0
-        short, short_over = _passes(model, _worker(0.001))
-        long, long_over = _passes(model, _worker(0.045))
-        _, ran_out = _passes(model, _limited(_worker(0.001), 3))
+        _pass(model, None)  # (warm)
+        got = _interleaved(model, {"none": None, "short": _worker(0.001), "long": _worker(0.045),
+                                   "ran out": _limited(_worker(0.001), 3)})
     finally:
         model.layers.close()
+    (plain, none), (short, short_over), (long, long_over), (_, ran_out) = (
+        got[k] for k in ("none", "short", "long", "ran out"))
+    assert none == 0.0
     waited = LAYERS - streamer.IDLE_TAIL_LAYERS  # layers whose waits take work
     assert 0 <= short_over <= waited * 0.003 + 0.005, short_over
     assert short <= plain + waited * 0.003 + 0.015, (short, plain)
@@ -108,19 +115,20 @@ def test_the_overrun_is_what_the_wait_work_added_to_the_pass(ckpt, tmp_path, mon
     lengthened = long - plain
     print(f"buffers {buffers}: pass {plain:.4f} s, with 45 ms units {long:.4f} s, overrun {long_over:.4f} s")
     if buffers == 1:
-        assert long_over >= 0.05, long_over  # (units outlast the layers' waits)
+        assert long_over >= 0.03, long_over  # (units outlast the layers' waits)
         assert abs(lengthened - long_over) <= 0.1 * long_over + 0.012, (lengthened, long_over)
     else:  # (the loader a layer ahead: some layers are in when wanted, and take no work)
         assert long_over >= 0.02 and lengthened <= long_over + 0.01, (lengthened, long_over)
 
 
 def _limited(unit, k):
-    """`unit` k times a pass, then nothing left (the way a tree grown ahead runs out)."""
+    """`unit` k times a wait, then nothing left (the way a tree grown ahead runs out); the call
+    after that starts the next wait's k."""
     left = [0]
 
     def limited():
         if left[0] <= 0:
-            left[0] = k  # (the next call starts the next pass's work)
+            left[0] = k
             return False
         left[0] -= 1
         return unit()
@@ -223,8 +231,9 @@ def test_steps_that_grew_nothing_do_not_count():
 def test_a_gate_stops_growing_trees_whose_case_never_comes_and_output_stays_plain(ckpt, tmp_path, monkeypatch):
     """self-q8 on a disk-streamed target whose every fill is slowed (the passes wait and grow
     trees ahead), with the check of a grown tree's case made to answer no: `--overlap auto`
-    grows GROW_MIN + 1 steps, stops, and tries again after GROW_REST; output equals plain
-    greedy's, with the gate and with `--overlap on` (which grows in every step)."""
+    starts with GROW_FIRST steps without growing, grows GROW_MIN + 1 steps, stops, and tries
+    again after GROW_REST, growing nothing while it rests; output equals plain greedy's, with the
+    gate and with `--overlap on` (which grows in every step)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     fill = streamer.LayerExecutor._fill
 
@@ -232,17 +241,18 @@ def test_a_gate_stops_growing_trees_whose_case_never_comes_and_output_stays_plai
         time.sleep(0.01)
         return fill(self, *args)
     monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
-    plain = greedy_past_eos(ckpt, PROMPT, 40)[0].token_ids
+    plain = greedy_past_eos(ckpt, PROMPT, 64)[0].token_ids
     monkeypatch.setattr(SpeculativeDecoder, "_case_came", staticmethod(lambda job, last, result: False))
     kw = dict(tree="sequoia", draft="self-q8", draft_group_size=32, offload="disk", buffers=2, tree_budget=4,
-              tree_depth=3)
-    gated, _ = greedy_past_eos(ckpt, PROMPT, 40, overlap="auto", **kw)
+              tree_depth=2)  # (at most 3 tokens a step: 21 steps at least, room for a rest and a trial)
+    gated, _ = greedy_past_eos(ckpt, PROMPT, 64, overlap="auto", **kw)
     assert gated.token_ids == plain
     stats = gated.stats["overlap"]
     assert stats["hits"] == 0 and stats["gate_stops"] >= 1, stats
     assert stats["misses"] <= stats["grown_steps"], stats  # (nothing grown while it rests)
     assert stats["grown_steps"] <= (GROW_MIN + 1) * stats["gate_stops"] + GROW_MIN + 1, stats
-    assert stats["rested_steps"] >= GROW_REST, stats
-    always, _ = greedy_past_eos(ckpt, PROMPT, 40, overlap="on", **kw)
+    assert stats["rested_steps"] >= GROW_FIRST + GROW_REST, stats
+    assert stats["grown_steps"] > GROW_MIN + 1, stats  # (it tried again after its rest)
+    always, _ = greedy_past_eos(ckpt, PROMPT, 64, overlap="on", **kw)
     assert always.token_ids == plain
     assert "gate" not in always.stats["overlap"] and always.stats["overlap"]["misses"] >= gated.stats["target_steps"] - 1

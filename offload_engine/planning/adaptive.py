@@ -455,13 +455,17 @@ class OverlapGate:
     streamed layers (`SpeculativeDecoder`'s `GrownAhead`), from what growing measured.
 
     A step that grew pays what it made its pass longer: the pass (with verification) against the
-    median of recent passes of as many nodes that grew nothing, and at least the executor's
+    median of the recent passes of as many nodes taken while the gate rested (not those that
+    happened to have no wait while it grew: those are the fast ones), and at least the executor's
     `idle_overrun_seconds` (a layer in while a unit of draft work still ran, or on CUDA still
     queued before it), which is all it counts until such passes are at hand. The overrun alone
     is not enough on a CPU, where draft work in the waits also slows the loader: on the 2-vCPU
     machine a float32 pass grew by 90 ms a step with overlap where the overrun read 28 ms
     (2026-12-06). It gains, at the next step, the draft levels that step found grown, each at the
-    draft's measured time per level (the median of recent steps' levels drawn before the pass).
+    draft's measured time per level (the median over recent steps that used nothing grown ahead,
+    so drew every level before the pass, of their draft time per level; the levels saved are the
+    top ones, narrower than the average, so this leans to the generous side). A tree grown in the
+    last step of an answer is lost with its decoder: it gains nothing.
     The gate keeps growing while the gains of its last GROW_WINDOW grown steps (GROW_MIN at
     least, gains known) are at least their costs, and while some of them were used at all: a
     tree grown ahead that is never used has no upside, and it can cost more than either measure
@@ -491,14 +495,14 @@ class OverlapGate:
         """One step: whether its pass grew anything ahead and what the executor found that
         delayed the pass by, the levels of its own tree that came grown ahead, its draft's time
         before the pass over the levels it drew then, and its pass (nodes, seconds)."""
-        if fresh_levels > 0 and draft_seconds > 0:
+        if fresh_levels > 0 and draft_seconds > 0 and used_levels == 0:  # (every level drawn then)
             self.levels.append(draft_seconds / fresh_levels)
         if self._last is not None:  # what the step before grew, and this step used
             gain = used_levels * (statistics.median(self.levels) if self.levels else 0.0)
             self._last[1], self._last[2] = gain, True
             self.gain_seconds += gain
             self._last = None
-        if not grew and nodes > 1 and pass_seconds > 0:
+        if not self.grow and nodes > 1 and pass_seconds > 0:  # (asked not to grow: any pass, wait or not)
             self.passes.setdefault(nodes, deque(maxlen=GROW_WINDOW)).append(pass_seconds)
         if not self.grow:
             self.rested_steps += 1
@@ -523,8 +527,7 @@ class OverlapGate:
         self.grow, self.rest_left = False, self.rest
         self.rest = min(2 * self.rest, GROW_REST_MAX)
         self.stops += 1
-        self.window.clear()
-        self._last = None
+        self.window.clear()  # (the last step's gain still counts in gain_seconds, at the next step)
 
     def stats(self, before: tuple = (0, 0, 0, 0.0, 0.0)) -> dict:
         """Counts since `before` (a generation's start: `counts()`), and the state now."""

@@ -398,6 +398,7 @@ class SpeculativeDecoder:
         self._ahead_work = None  # the generator growing them (`_grow_ahead`)
         self.ahead_hits = self.ahead_misses = 0
         self.ahead_gate = ahead_gate if self.overlap and not self.ahead_eager else None
+        self._overrun_seen = target.layers.overrun_seconds() if self.ahead_gate is not None else 0.0
         # a substitute self-draft shares the target's cache: one sequence, the draft writing its
         # tree's K/V after the committed length through a view (the target's pass then writes
         # its own K/V over the same slots, and only accepted ones are committed)
@@ -552,7 +553,6 @@ class SpeculativeDecoder:
         ahead = self._start_ahead(tokens) if (self.overlap and drafting and arm == "model" and not fixed
                                               and self.shape is not None and (gate is None or gate.grow)) else None
         layers = self.target.layers
-        overrun = layers.overrun_seconds() if gate is not None else 0.0
         if ahead is not None and self.ahead_eager:
             while self._ahead_unit():
                 pass
@@ -574,8 +574,10 @@ class SpeculativeDecoder:
             self._ready = (ahead, match) if match is not None else None
         if gate is not None:  # (the draft's levels before the pass: a static tree's, less those grown ahead)
             fresh = len(self.shape.levels) - used_ahead if drafting and arm == "model" and self.shape is not None else 0
-            gate.observe(ahead is not None and ahead.seconds > 0, layers.overrun_seconds() - overrun, used_ahead,
-                         t1 - t_caught, fresh, len(parents), t2 - t1)
+            # (the overrun since the last reading: on CUDA a reading still on its way joins the next)
+            seen, self._overrun_seen = self._overrun_seen, layers.overrun_seconds()
+            grew = ahead is not None and ahead.pending is None and ahead.seconds > 0  # (its choice in, work done)
+            gate.observe(grew, self._overrun_seen - seen, used_ahead, t1 - t_caught, fresh, len(parents), t2 - t1)
         path = [0] + list(result.accepted)
         kept = [host_tokens[i] for i in path]
         base = self.target_cache.length
