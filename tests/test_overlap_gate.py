@@ -187,7 +187,7 @@ def test_the_gate_keeps_growing_while_the_levels_used_are_worth_what_the_pass_gr
     assert not gate.grow and gate.stops == 1
 
 
-def test_the_cost_is_the_pass_grown_where_it_exceeds_the_overrun():
+def test_the_cost_is_what_the_pass_grew_by_not_only_the_overrun():
     """Passes 50 ms longer when growing, of which the executor saw 5 ms as overrun (the loader
     slowed by the draft's work, as on a CPU): the gate counts the 50 and stops; without passes of
     the same width to compare with it counts the overrun, and goes on."""
@@ -199,6 +199,17 @@ def test_the_cost_is_the_pass_grown_where_it_exceeds_the_overrun():
     for _ in range(50):  # (the passes compared with were of 16 nodes, these are of 32)
         _step(other, grew=True, overrun=0.005, used=2, nodes=32, seconds=0.15)
     assert other.grow and other.cost_seconds == pytest.approx(50 * 0.005)
+
+
+def test_a_pass_that_is_noisy_but_no_longer_costs_nothing_on_the_whole():
+    """Passes 30 ms either side of the resting ones' 100 ms, in turn, with 10 ms of overrun each:
+    the signed differences cancel, and a level's 10 ms used each step keeps the gate growing (a
+    cost floored at the overrun would read 20 ms a step and stop it)."""
+    gate = _started()
+    for k in range(100):
+        _step(gate, grew=True, overrun=0.01, used=1, seconds=0.07 if k % 2 else 0.13)
+        assert gate.grow, k
+    assert gate.cost_seconds == pytest.approx(0.0, abs=1e-9)
 
 
 def test_a_trial_that_wins_sets_the_rest_back():

@@ -456,10 +456,10 @@ class OverlapGate:
 
     A step that grew pays what it made its pass longer: the pass (with verification) against the
     median of the recent passes of as many nodes taken while the gate rested (not those that
-    happened to have no wait while it grew: those are the fast ones), and at least the executor's
+    happened to have no wait while it grew: those are the fast ones), signed, so that a pass's
+    noise cancels over the window; until such passes are at hand, the executor's
     `idle_overrun_seconds` (a layer in while a unit of draft work still ran, or on CUDA still
-    queued before it), which is all it counts until such passes are at hand. The overrun alone
-    is not enough on a CPU, where draft work in the waits also slows the loader: on the 2-vCPU
+    queued before it). The overrun alone is not enough on a CPU, where draft work in the waits also slows the loader: on the 2-vCPU
     machine a float32 pass grew by 90 ms a step with overlap where the overrun read 28 ms
     (2026-12-06). It gains, at the next step, the draft levels that step found grown, each at the
     draft's measured time per level (the median over recent steps that used nothing grown ahead,
@@ -512,7 +512,9 @@ class OverlapGate:
             return
         if grew:
             ref = self.passes.get(nodes)
-            cost = max(overrun, pass_seconds - statistics.median(ref)) if ref else overrun
+            # (signed: a pass's noise either way cancels over the window, where a floor at the
+            # overrun would count every fast pass as the overrun and every slow one in full)
+            cost = pass_seconds - statistics.median(ref) if ref else overrun
             self.grown_steps += 1
             self.cost_seconds += cost
             self._last = [cost, 0.0, False]
