@@ -25,7 +25,9 @@ so that the defaults can be checked against the alternatives in the same run.
 The issue-17 bar is checked and printed: greedy (128, 12) step <= pass + 60 ms, T=0.6 <= pass
 + 90 ms, one draft level of width <= 64 <= 4 ms, at both vocabularies. Random weights accept
 next to nothing; that does not change what a step costs. Issue 23's bar: the (128, 12) step with
-the next tree grown during the pass (`overlap`) <= pass + 30 ms, both temperatures.
+the next tree grown during the pass (`overlap`) <= pass + 30 ms, both temperatures; beside it,
+the same step as `--overlap auto` runs it (`overlap, gated`: its gate decides each step, and with
+random weights no tree grown ahead is ever used, so it soon stops growing; printed, not a bar).
 """
 
 from __future__ import annotations
@@ -189,13 +191,18 @@ def profiler():
 
 
 def measure_tree(target, draft, budget: int, depth: int, temperature: float, draft_graphs: str = "auto",
-                 overlap: bool = False) -> dict:
+                 overlap: bool = False, gated: bool = False) -> dict:
+    """gated: with overlap, `--overlap auto`'s gate decides each step whether to grow ahead (its
+    decoder's steps timed, as the engine runs it)."""
     import torch
+    from offload_engine.planning.adaptive import OverlapGate
     from offload_engine.speculation.decoder import TreeSpec
     from sequoia_trees.acceptance import AcceptanceVector
     spec = TreeSpec("sequoia", budget, depth, acceptance=AcceptanceVector(SHAPE_VECTOR))
+    gate = OverlapGate() if gated else None
     dec, root = warm_decoder(target, draft, spec, temperature, 0, PREFIX + (2 * STEPS + 4) * (depth + 1) + 8, 2,
-                             draft_graphs=draft_graphs, overlap=overlap)
+                             draft_graphs=draft_graphs, overlap=overlap,
+                             **(dict(ahead_gate=gate, timed=True) if gated else {}))
     # STEPS steps back to back, as a generation runs them: the copies of the next pass's first
     # layers (the loader's prefetch) run under this step's tail and the next step's draft
     steps, before_pass, ahead = [], [], []
@@ -246,7 +253,9 @@ def measure_tree(target, draft, budget: int, depth: int, temperature: float, dra
            "level_width": w, "level_s": min(level_s), "draft_graphs": draft_graphs,
            "attention": draft.attention, "graph_replays": dec.draft_levels.replays if dec.draft_levels else 0,
            "overlap": overlap, "draft_before_pass_s": statistics.median(before_pass),
-           "draft_overlapped_s": statistics.median(ahead)}
+           "draft_overlapped_s": statistics.median(ahead),
+           "gate": None if gate is None else dict(zip(("grown_steps", "rested_steps", "stops", "cost_s", "gain_s"),
+                                                      gate.counts()))}
     row["rest_s"] = row["step_s"] - row["pass_s"] - row["draft_s"]
     row["over_pass_s"] = row["step_s"] - row["pass_s"]
     row["over_pass_synced_s"] = row["step_synced_s"] - row["pass_synced_s"]
@@ -336,14 +345,16 @@ def main(argv=None) -> int:
                 cases = [("default", "auto", None)]
                 if (budget, depth) == (128, 12) and t == 0.0:
                     cases += [("graphs off", "off", None), ("matmul attention", "auto", "matmul")]
-                if (budget, depth) == (128, 12):  # the next tree grown during the pass (issue 23)
-                    cases.append(("overlap", "auto", None))
+                if (budget, depth) == (128, 12):  # the next tree grown during the pass (issue 23), in
+                    # every step and as --overlap auto's gate says (random weights: never used)
+                    cases += [("overlap", "auto", None), ("overlap, gated", "auto", None)]
                 for name, graphs, attn in cases:
                     before = (target.attention, draft.attention)
                     if attn:
                         target.attention = draft.attention = attn
                     try:
-                        row = measure_tree(target, draft, budget, depth, t, graphs, overlap=name == "overlap")
+                        row = measure_tree(target, draft, budget, depth, t, graphs, overlap=name.startswith("overlap"),
+                                           gated=name == "overlap, gated")
                     finally:
                         target.attention, draft.attention = before
                     row.update(vocab=vocab, variant=name)

@@ -13,8 +13,12 @@ def test_the_step_benchmark_runs_and_reports_every_part(tmp_path, capsys):
     rows = data["rows"]
     trees = {(r["budget"], r["depth"]) for r in rows}
     assert trees == set(gpu_step.SMOKE["trees"]) and {r["vocab"] for r in rows} == set(gpu_step.SMOKE["vocabs"])
-    assert {r["variant"] for r in rows} == {"default", "graphs off", "matmul attention", "overlap"}
-    assert all(r["overlap"] == (r["variant"] == "overlap") for r in rows)
+    assert {r["variant"] for r in rows} == {"default", "graphs off", "matmul attention", "overlap", "overlap, gated"}
+    assert all(r["overlap"] == r["variant"].startswith("overlap") for r in rows)
+    from offload_engine.planning.adaptive import GROW_FIRST
+    for r in rows:  # (the gate's first steps rest; here nothing waits, so nothing is grown after)
+        assert (r["gate"] is None) == (r["variant"] != "overlap, gated")
+        assert r["gate"] is None or r["gate"]["rested_steps"] == GROW_FIRST
     for r in rows:
         assert r["step_s"] > 0 and r["pass_s"] > 0 and r["draft_s"] > 0 and 0 < r["level_s"] < r["draft_s"]
         assert abs(r["rest_s"] - (r["step_s"] - r["pass_s"] - r["draft_s"])) < 1e-9
