@@ -12,7 +12,7 @@ import torch
 
 from offload_engine.formats.checkpoint import Checkpoint
 from offload_engine.formats.config import load_config
-from offload_engine.planning.adaptive import GROW_FIRST, GROW_MIN, GROW_REST, GROW_REST_MAX, OverlapGate
+from offload_engine.planning.adaptive import GROW_CONTROL, GROW_FIRST, GROW_MIN, GROW_REST, GROW_REST_MAX, OverlapGate
 from offload_engine.runtime import streamer
 from offload_engine.runtime.layer_store import LayerLayout
 from offload_engine.runtime.loader import OffloadOptions, load_target
@@ -136,8 +136,11 @@ def _limited(unit, k):
     return limited
 
 
-def _step(gate, grew=True, overrun=0.0, used=0, draft=0.04, fresh=4, nodes=16, seconds=0.1):
-    gate.observe(grew, overrun, used, draft, fresh, nodes, seconds)
+LEVEL = 0.01  # in the made-up steps, a level grown ahead and used saves this much of the draft's 40 ms
+
+
+def _step(gate, grew=True, overrun=0.0, used=0, draft=None, fresh=4, nodes=16, seconds=0.1):
+    gate.observe(grew, overrun, used, 0.04 - LEVEL * used if draft is None else draft, fresh - used, nodes, seconds)
 
 
 def _started(gate=None):
@@ -150,15 +153,26 @@ def _started(gate=None):
     return gate
 
 
+def _run(gate, k, **step):
+    """k steps, each growing when the gate says so (a control step or a rest: not), with the
+    step's figures where it grew (its pass) and where the step before grew (the levels used);
+    else a pass of 0.1 s and nothing used."""
+    told, before = [], False
+    for _ in range(k):
+        grew = gate.grow and step.get("grew", True)
+        told.append(gate.grow)
+        _step(gate, **{**step, "grew": grew, "seconds": step.get("seconds", 0.1) if grew else 0.1,
+                       "used": step.get("used", 0) if before else 0})
+        before = grew
+    return told
+
+
 def test_the_gate_stops_growing_what_is_never_used_and_tries_again_ever_later():
     gate = OverlapGate()
-    log = []
-    for _ in range(400):
-        log.append(gate.grow)
-        _step(gate, grew=gate.grow, overrun=0.0, used=0)
+    log = _run(gate, 400, overrun=0.0, used=0)
     # GROW_FIRST steps to compare with, then GROW_MIN + 1 grown steps (the last one's gain is
     # known only at the step after), then a rest; each trial loses again and doubles the rest,
-    # up to the cap
+    # up to the cap (a trial is shorter than GROW_CONTROL: no control step in it)
     runs, k = [], 0
     while k < len(log):
         j = k
@@ -176,66 +190,66 @@ def test_the_gate_stops_growing_what_is_never_used_and_tries_again_ever_later():
 
 def test_the_gate_keeps_growing_while_the_levels_used_are_worth_what_the_pass_grew_by():
     gate = _started()
-    for k in range(200):  # a level costs 10 ms (40 ms over 4); 1 level used a step; the pass 8 ms longer
-        _step(gate, grew=True, overrun=0.002, used=1 if k else 0, seconds=0.108)
-        assert gate.grow, k
-    assert gate.gain_seconds == pytest.approx(199 * 0.010)
-    assert gate.cost_seconds == pytest.approx(200 * 0.008)
+    told = _run(gate, 200, overrun=0.002, used=1, seconds=0.108)  # a level (10 ms) saved, the pass 8 ms longer
+    assert gate.stops == 0
+    # after every GROW_CONTROL grown steps a control (not grown); the step after it has nothing to use
+    assert told.count(False) == 200 // (GROW_CONTROL + 1)
+    assert gate.grown_steps == 200 - told.count(False)
+    assert gate.cost_seconds == pytest.approx(gate.grown_steps * 0.008)
+    assert 0 < gate.gain_seconds <= gate.grown_steps * LEVEL + 1e-9
     # the same levels with the pass 12 ms longer: it stops once the window says so
-    for k in range(GROW_MIN + 2):
-        _step(gate, grew=True, overrun=0.002, used=1, seconds=0.112)
+    _run(gate, GROW_MIN + 3, overrun=0.002, used=1, seconds=0.112)
     assert not gate.grow and gate.stops == 1
 
 
 def test_the_cost_is_what_the_pass_grew_by_not_only_the_overrun():
     """Passes 50 ms longer when growing, of which the executor saw 5 ms as overrun (the loader
     slowed by the draft's work, as on a CPU): the gate counts the 50 and stops; without passes of
-    the same width to compare with it counts the overrun, and goes on."""
+    the same width to compare with (until its first control step) it counts the overrun."""
     gate = _started()
-    for _ in range(GROW_MIN + 2):
-        _step(gate, grew=True, overrun=0.005, used=2, seconds=0.15)  # gains 20 ms a step
+    _run(gate, GROW_MIN + 2, overrun=0.005, used=2, seconds=0.15)  # gains 20 ms a step
     assert not gate.grow and gate.cost_seconds >= (GROW_MIN + 1) * 0.05 - 1e-9
-    other = _started()
-    for _ in range(50):  # (the passes compared with were of 16 nodes, these are of 32)
-        _step(other, grew=True, overrun=0.005, used=2, nodes=32, seconds=0.15)
-    assert other.grow and other.cost_seconds == pytest.approx(50 * 0.005)
+    other = _started()  # (its steps compared with: 16 nodes; these 32, up to the first control step)
+    _run(other, GROW_CONTROL, overrun=0.005, used=2, nodes=32, seconds=0.15)
+    assert other.stops == 0 and other.cost_seconds == pytest.approx(GROW_CONTROL * 0.005)
+
+
+def test_the_gain_is_what_the_draft_saved_not_the_levels_counted():
+    """Levels used every step, but the draft's part only 3 ms shorter than without them (moving
+    their K/V costs the rest), the pass 8 ms longer: the gate stops. Counted at the draft's
+    time per level (10 ms), the same steps would have kept it growing."""
+    gate = _started()
+    _run(gate, 2 * GROW_MIN, overrun=0.0, used=1, draft=0.037, seconds=0.108)
+    assert gate.stops >= 1
 
 
 def test_a_pass_that_is_noisy_but_no_longer_costs_nothing_on_the_whole():
     """Passes 30 ms either side of the resting ones' 100 ms, in turn, with 10 ms of overrun each:
-    the signed differences cancel, and a level's 10 ms used each step keeps the gate growing (a
+    the signed differences cancel, and a level's 10 ms saved each step keeps the gate growing (a
     cost floored at the overrun would read 20 ms a step and stop it)."""
     gate = _started()
     for k in range(100):
-        _step(gate, grew=True, overrun=0.01, used=1, seconds=0.07 if k % 2 else 0.13)
-        assert gate.grow, k
-    assert gate.cost_seconds == pytest.approx(0.0, abs=1e-9)
+        _step(gate, grew=gate.grow, overrun=0.01, used=1, seconds=0.07 if k % 2 else 0.13)
+    assert gate.stops == 0
 
 
 def test_a_trial_that_wins_sets_the_rest_back():
     gate = _started()
-    while gate.grow:  # lose twice: the rest doubles
-        _step(gate, grew=True, overrun=0.01, used=0)
-    for _ in range(GROW_REST):
-        _step(gate, grew=False)
+    _run(gate, GROW_MIN + 1, overrun=0.01, used=0)  # loses: a rest of GROW_REST
+    assert not gate.grow and gate.stops == 1
+    _run(gate, GROW_REST + GROW_MIN + 1, overrun=0.01, used=0)  # the rest, a trial that loses again
+    assert gate.stops == 2 and gate.rest == 4 * GROW_REST  # (the next rest, after this one of 2 x GROW_REST)
+    _run(gate, 2 * GROW_REST)
     assert gate.grow
-    while gate.grow:
-        _step(gate, grew=True, overrun=0.01, used=0)
-    assert gate.rest == 4 * GROW_REST  # (the next rest, after this one of 2 x GROW_REST)
-    for _ in range(2 * GROW_REST):
-        _step(gate, grew=False)
-    assert gate.grow
-    for _ in range(GROW_MIN + 2):  # a trial whose levels are used
-        _step(gate, grew=True, overrun=0.0, used=2)
-    assert gate.grow and gate.rest == GROW_REST
+    _run(gate, GROW_MIN + 2, overrun=0.0, used=2)  # a trial whose levels are used
+    assert gate.grow and gate.stops == 2 and gate.rest == GROW_REST
 
 
 def test_steps_that_grew_nothing_do_not_count():
     """A pass with no wait grows nothing: no cost, no gain, and no reason to stop."""
     gate = _started()
-    for _ in range(100):
-        _step(gate, grew=False, overrun=0.0, used=0)
-    assert gate.grow and gate.stops == 0 and gate.grown_steps == 0
+    _run(gate, 100, grew=False, overrun=0.0, used=0)
+    assert gate.stops == 0 and gate.grown_steps == 0
 
 
 @pytest.mark.slow

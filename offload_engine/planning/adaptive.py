@@ -447,69 +447,93 @@ GROW_WINDOW = 8  # steps that grew the next tree ahead, whose gains and costs th
 GROW_MIN = 4  # of them, with their gains known, before the gate judges
 GROW_REST = 8  # steps without growing ahead before the gate tries again
 GROW_REST_MAX = 64  # each trial that loses doubles the rest, up to this
-GROW_FIRST = 2  # steps without growing ahead that the gate starts with: passes to compare with
+GROW_FIRST = 2  # steps without growing ahead that the gate starts with: steps to compare with
+GROW_CONTROL = 8  # while growing, after this many steps one that does not: the steps compared with, kept fresh
 
 
 class OverlapGate:
     """`--overlap auto`: whether a step grows the next tree ahead while its pass waits for
     streamed layers (`SpeculativeDecoder`'s `GrownAhead`), from what growing measured.
 
-    A step that grew pays what it made its pass longer: the pass (with verification) against the
-    median of the recent passes of as many nodes taken while the gate rested (not those that
-    happened to have no wait while it grew: those are the fast ones), signed, so that a pass's
-    noise cancels over the window; until such passes are at hand, the executor's
-    `idle_overrun_seconds` (a layer in while a unit of draft work still ran, or on CUDA still
-    queued before it). The overrun alone is not enough on a CPU, where draft work in the waits also slows the loader: on the 2-vCPU
-    machine a float32 pass grew by 90 ms a step with overlap where the overrun read 28 ms
-    (2026-12-06). It gains, at the next step, the draft levels that step found grown, each at the
-    draft's measured time per level (the median over recent steps that used nothing grown ahead,
-    so drew every level before the pass, of their draft time per level; the levels saved are the
-    top ones, narrower than the average, so this leans to the generous side). A tree grown in the
-    last step of an answer is lost with its decoder: it gains nothing.
+    Both sides are measured against steps that did not grow ahead, of as many nodes: the gate
+    starts with GROW_FIRST of them, takes them while it rests, and while it grows has a step
+    without (a control) after every GROW_CONTROL, so that they stay of the same spell and context.
+    - A step that grew pays what its pass (with verification) took beyond the median of the
+      recent passes of steps that did not grow (signed, so that a pass's noise cancels over the
+      window; not the steps that happened to have no wait while the gate grew: those are the fast
+      ones). Until such passes are at hand, the executor's `idle_overrun_seconds` stands in (a
+      layer in while a unit of draft work still ran, or on CUDA still queued before it); it is
+      not enough on a CPU, where draft work in the waits also slows the loader: on the 2-vCPU
+      machine a float32 pass grew by 90 ms a step with overlap where the overrun read 28 ms.
+    - It gains, at the next step, what that step's draft (before its pass) took less than the
+      median of recent steps that used nothing grown ahead, when it used some (signed: moving a
+      grown tree's K/V into place costs too); until such steps are at hand, the levels used at the
+      draft's time per level. Counting levels at their average time overstated it: on the
+      embedded pair's (4, 4) trees the levels used were worth 10 ms a step by that count, where
+      the draft's part took 3.3 ms less than without overlap (2026-12-06).
     The gate keeps growing while the gains of its last GROW_WINDOW grown steps (GROW_MIN at
     least, gains known) are at least their costs, and while some of them were used at all: a
     tree grown ahead that is never used has no upside, and it can cost more than either measure
     sees (on the H200 with random weights, growing that never hit delayed the copies behind the
     buffers it held: + 34.5 ms a step against + 27.5 ms without, 2026-12-04). When it loses it
     stops for GROW_REST steps, then tries again; a trial that loses doubles the rest (up to
-    GROW_REST_MAX), one that wins sets it back. It starts with GROW_FIRST steps without growing,
-    so that its first trial has passes to compare with. Steps whose pass grew nothing (no wait
-    to grow into) neither cost nor gain. One gate lives on the engine per draft and request
-    temperature, so what it learned carries from one generation to the next.
+    GROW_REST_MAX), one that wins sets it back. Steps whose pass grew nothing (no wait to grow
+    into) neither cost nor gain. A tree grown in the last step of an answer is lost with its
+    decoder: it gains nothing. One gate lives on the engine per draft and request temperature,
+    so what it learned carries from one generation to the next.
 
     Exactness: the choice is made before the step, from earlier steps; a tree grown ahead is a
     proposal, and whether one was grown changes only what is proposed."""
 
     def __init__(self):
-        self.grow, self.rest_left = False, GROW_FIRST
+        self._growing, self.rest_left = False, GROW_FIRST
+        self._control = False  # the next step is a control (growing, but this one step not)
+        self._since_control = 0
         self.window: deque = deque(maxlen=GROW_WINDOW)  # [cost, gain, gain known] per step that grew
         self.levels: deque[float] = deque(maxlen=2 * GROW_WINDOW)  # seconds per draft level, recent steps
-        self.passes: dict[int, deque] = {}  # nodes -> seconds of recent passes that grew nothing
+        self.passes: dict[int, deque] = {}  # nodes -> seconds of recent passes of steps that did not grow
+        self.drafts: dict[int, deque] = {}  # nodes -> draft seconds of recent steps that used nothing grown
         self.rest = GROW_REST
         self.grown_steps = self.rested_steps = self.stops = 0
         self.cost_seconds = self.gain_seconds = 0.0  # over every step observed
         self._last = None  # the window's entry of the step before, when it grew
 
+    @property
+    def grow(self) -> bool:
+        """Whether the next step grows ahead."""
+        return self._growing and not self._control
+
     def observe(self, grew: bool, overrun: float, used_levels: int, draft_seconds: float,
                 fresh_levels: int, nodes: int = 0, pass_seconds: float = 0.0) -> None:
         """One step: whether its pass grew anything ahead and what the executor found that
         delayed the pass by, the levels of its own tree that came grown ahead, its draft's time
-        before the pass over the levels it drew then, and its pass (nodes, seconds)."""
+        before the pass and the levels it drew then, and its pass (nodes, seconds)."""
+        asked = self.grow  # (what this step was told)
         if fresh_levels > 0 and draft_seconds > 0 and used_levels == 0:  # (every level drawn then)
             self.levels.append(draft_seconds / fresh_levels)
+            self.drafts.setdefault(nodes, deque(maxlen=GROW_WINDOW)).append(draft_seconds)
         if self._last is not None:  # what the step before grew, and this step used
-            gain = used_levels * (statistics.median(self.levels) if self.levels else 0.0)
+            ref = self.drafts.get(nodes)
+            gain = (0.0 if not used_levels else statistics.median(ref) - draft_seconds if ref
+                    else used_levels * (statistics.median(self.levels) if self.levels else 0.0))
             self._last[1], self._last[2] = gain, True
             self.gain_seconds += gain
             self._last = None
-        if not self.grow and nodes > 1 and pass_seconds > 0:  # (asked not to grow: any pass, wait or not)
+        if not asked and nodes > 1 and pass_seconds > 0:  # (told not to grow: any pass, wait or not)
             self.passes.setdefault(nodes, deque(maxlen=GROW_WINDOW)).append(pass_seconds)
-        if not self.grow:
+        if not self._growing:
             self.rested_steps += 1
             self.rest_left -= 1
             if self.rest_left <= 0:
-                self.grow = True
+                self._growing, self._since_control = True, 0
             return
+        if self._control:  # (a control step: counted with the rests)
+            self._control = False
+            self.rested_steps += 1
+            return
+        self._since_control += 1
+        if self._since_control >= GROW_CONTROL:
+            self._control, self._since_control = True, 0
         if grew:
             ref = self.passes.get(nodes)
             # (signed: a pass's noise either way cancels over the window, where a floor at the
@@ -526,7 +550,7 @@ class OverlapGate:
         if gain > 0 and gain >= cost:
             self.rest = GROW_REST
             return
-        self.grow, self.rest_left = False, self.rest
+        self._growing, self._control, self.rest_left = False, False, self.rest
         self.rest = min(2 * self.rest, GROW_REST_MAX)
         self.stops += 1
         self.window.clear()  # (the last step's gain still counts in gain_seconds, at the next step)
@@ -535,7 +559,7 @@ class OverlapGate:
         """Counts since `before` (a generation's start: `counts()`), and the state now."""
         now = self.counts()
         grown, rested, stops, cost, gain = (a - b for a, b in zip(now, before))
-        return {"gate": "growing" if self.grow else "resting", "grown_steps": grown, "rested_steps": rested,
+        return {"gate": "growing" if self._growing else "resting", "grown_steps": grown, "rested_steps": rested,
                 "gate_stops": stops, "cost_seconds": cost, "gain_seconds": gain}
 
     def counts(self) -> tuple:
