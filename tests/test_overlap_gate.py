@@ -281,3 +281,14 @@ def test_a_gate_stops_growing_trees_whose_case_never_comes_and_output_stays_plai
     always, _ = greedy_past_eos(ckpt, PROMPT, 64, overlap="on", **kw)
     assert always.token_ids == plain
     assert "gate" not in always.stats["overlap"] and always.stats["overlap"]["misses"] >= gated.stats["target_steps"] - 1
+
+
+def test_a_gain_with_nothing_to_compare_with_is_not_counted():
+    """A step that used a tree grown ahead but has no step of as many nodes that used nothing
+    (suffix nodes grafted onto it, a width new to the gate): the grown step before it counts for
+    nothing, neither its cost nor a gain guessed from the levels."""
+    gate = _started()
+    _step(gate, grew=True, overrun=0.0, seconds=0.12)  # grown, 16 nodes: cost 20 ms
+    assert len(gate.window) == 1
+    _step(gate, grew=False, used=2, nodes=48)  # used 2 levels, no 48-node step to compare with
+    assert len(gate.window) == 0 and gate.gain_seconds == 0.0

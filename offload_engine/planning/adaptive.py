@@ -457,7 +457,7 @@ class OverlapGate:
 
     Both sides are measured against steps that did not grow ahead, of as many nodes: the gate
     starts with GROW_FIRST of them, takes them while it rests, and while it grows has a step
-    without (a control) after every GROW_CONTROL, so that they stay of the same spell and context.
+    without (a control) after every GROW_CONTROL that grew, so that they stay of the same spell and context.
     - A step that grew pays what its pass (with verification) took beyond the median of the
       recent passes of steps that did not grow (signed, so that a pass's noise cancels over the
       window; not the steps that happened to have no wait while the gate grew: those are the fast
@@ -467,12 +467,13 @@ class OverlapGate:
       machine a float32 pass grew by 90 ms a step with overlap where the overrun read 28 ms.
     - It gains, at the next step, what that step's draft (before its pass) took less than the
       median of recent steps that used nothing grown ahead, when it used some (signed: moving a
-      grown tree's K/V into place costs too); until such steps are at hand, the levels used at the
-      draft's time per level. Counting levels at their average time overstated it: on the
+      grown tree's K/V into place costs too); with no such step of as many nodes (one with suffix
+      nodes grafted on, a new width) the grown step counts for nothing. Counting the levels used
+      at the draft's average time per level, as a first version did, overstated it: on the
       embedded pair's (4, 4) trees the levels used were worth 10 ms a step by that count, where
       the draft's part took 3.3 ms less than without overlap (2026-12-06).
     The gate keeps growing while the gains of its last GROW_WINDOW grown steps (GROW_MIN at
-    least, gains known) are at least their costs, and while some of them were used at all: a
+    least, gains known) are at least their costs, and while their gains add to more than nothing: a
     tree grown ahead that is never used has no upside, and it can cost more than either measure
     sees (on the H200 with random weights, growing that never hit delayed the copies behind the
     buffers it held: + 34.5 ms a step against + 27.5 ms without, 2026-12-04). When it loses it
@@ -490,7 +491,6 @@ class OverlapGate:
         self._control = False  # the next step is a control (growing, but this one step not)
         self._since_control = 0
         self.window: deque = deque(maxlen=GROW_WINDOW)  # [cost, gain, gain known] per step that grew
-        self.levels: deque[float] = deque(maxlen=2 * GROW_WINDOW)  # seconds per draft level, recent steps
         self.passes: dict[int, deque] = {}  # nodes -> seconds of recent passes of steps that did not grow
         self.drafts: dict[int, deque] = {}  # nodes -> draft seconds of recent steps that used nothing grown
         self.rest = GROW_REST
@@ -510,14 +510,16 @@ class OverlapGate:
         before the pass and the levels it drew then, and its pass (nodes, seconds)."""
         asked = self.grow  # (what this step was told)
         if fresh_levels > 0 and draft_seconds > 0 and used_levels == 0:  # (every level drawn then)
-            self.levels.append(draft_seconds / fresh_levels)
             self.drafts.setdefault(nodes, deque(maxlen=GROW_WINDOW)).append(draft_seconds)
         if self._last is not None:  # what the step before grew, and this step used
             ref = self.drafts.get(nodes)
-            gain = (0.0 if not used_levels else statistics.median(ref) - draft_seconds if ref
-                    else used_levels * (statistics.median(self.levels) if self.levels else 0.0))
-            self._last[1], self._last[2] = gain, True
-            self.gain_seconds += gain
+            if used_levels and not ref:  # (nothing to compare with: a hybrid step's, a new width's)
+                if self._last in self.window:
+                    self.window.remove(self._last)
+            else:
+                gain = statistics.median(ref) - draft_seconds if used_levels else 0.0
+                self._last[1], self._last[2] = gain, True
+                self.gain_seconds += gain
             self._last = None
         if not asked and nodes > 1 and pass_seconds > 0:  # (told not to grow: any pass, wait or not)
             self.passes.setdefault(nodes, deque(maxlen=GROW_WINDOW)).append(pass_seconds)
@@ -531,10 +533,10 @@ class OverlapGate:
             self._control = False
             self.rested_steps += 1
             return
-        self._since_control += 1
-        if self._since_control >= GROW_CONTROL:
-            self._control, self._since_control = True, 0
         if grew:
+            self._since_control += 1
+            if self._since_control >= GROW_CONTROL:
+                self._control, self._since_control = True, 0
             ref = self.passes.get(nodes)
             # (signed: a pass's noise either way cancels over the window, where a floor at the
             # overrun would count every fast pass as the overrun and every slow one in full)
