@@ -254,8 +254,7 @@ def measure_tree(target, draft, budget: int, depth: int, temperature: float, dra
            "attention": draft.attention, "graph_replays": dec.draft_levels.replays if dec.draft_levels else 0,
            "overlap": overlap, "draft_before_pass_s": statistics.median(before_pass),
            "draft_overlapped_s": statistics.median(ahead),
-           "gate": None if gate is None else dict(zip(("grown_steps", "rested_steps", "stops", "cost_s", "gain_s"),
-                                                      gate.counts()))}
+           "gate": None if gate is None else gate.stats()}
     row["rest_s"] = row["step_s"] - row["pass_s"] - row["draft_s"]
     row["over_pass_s"] = row["step_s"] - row["pass_s"]
     row["over_pass_synced_s"] = row["step_synced_s"] - row["pass_synced_s"]

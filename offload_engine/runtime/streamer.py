@@ -127,12 +127,12 @@ class LayerExecutor:
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
-        # per buffer: when its last fill was in (perf_counter on the CPU, an event on the copy
-        # stream on CUDA), for `idle_overrun_seconds`
-        self.ready_at: list[object] = [None] * (plan.buffers if plan.streamed_layers else 0)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         k = plan.buffers if self.order else 0
+        # per buffer: when its last fill was in (perf_counter on the CPU, an event on the copy
+        # stream on CUDA), for `idle_overrun_seconds`
+        self.ready_at: list[object] = [None] * k
         self.buffers = [self._device_block() for _ in range(k)]
         # compute-dtype weights of the slots a streamed layer holds in another format, one set
         # per buffer: the copy side converts each filled block into its buffer's set
@@ -365,16 +365,16 @@ class LayerExecutor:
         with self._lock:
             keep = []
             for name, start, end in self._pending:
-                # (an overrun's starts include the layer's copy, on another stream than its end)
+                # (an overrun has several starts, its layer's copy on another stream than its end;
+                # it runs from the latest of them)
                 starts = start if isinstance(start, tuple) else (start,)
                 if wait or not self.cuda or (end.query() and all(s.query() for s in starts)):
-                    if isinstance(start, tuple):  # an overrun: from the latest start; none if negative
-                        if self.cuda:
-                            for s in starts:
-                                s.synchronize()
-                        seconds = max(0.0, min(self.clock.seconds(s, end) for s in starts))
-                    else:
-                        seconds = self.clock.seconds(start, end)
+                    if wait and self.cuda:  # (else every start has been asked: complete)
+                        for s in starts:
+                            s.synchronize()
+                    seconds = min(self.clock.seconds(s, end) for s in starts)
+                    if name == "idle_overrun_seconds":  # (the layer in after the work ended: none)
+                        seconds = max(0.0, seconds)
                     setattr(self.stats, name, getattr(self.stats, name) + seconds)
                 else:
                     keep.append((name, start, end))
