@@ -517,14 +517,15 @@ class Engine:
                 print(f"sequoia-offload: {plan.describe()}", file=sys.stderr)
 
     def variant(self, *, draft: bool = True, tree: str | None = None, tree_budget: int | None = None,
-                tree_depth: int | None = None, specinfer_width: int = 4, adapt: bool | None = None) -> "Engine":
+                tree_depth: int | None = None, specinfer_width: int = 4, adapt: bool | None = None,
+                overlap: str | None = None) -> "Engine":
         """Another decoding configuration over this engine's loaded models: the same target
         weights, layer executor, buffers, KV caches (the prefix cache: reuse between the two is
         exact, as between any two generations) and draft, with a tree, adaptation and planners
         of its own. `draft=False`: plain decoding (the draft sits unused); `tree`: a fixed
         tree kind with `tree_budget`/`tree_depth` (None: this engine's tree, `--tree auto`
-        included, with fresh planners); `adapt`: as `Engine.load`'s (None: this engine's).
-        Closing a variant closes nothing; the base engine owns the executor.
+        included, with fresh planners); `adapt`, `overlap`: as `Engine.load`'s (None: this
+        engine's). Closing a variant closes nothing; the base engine owns the executor.
 
         For comparisons of decoding modes (`benchmarks/latency.py --auto-study`): on a 2-core
         machine two identical engines loaded in one process decoded 5-20% apart, persistently
@@ -542,6 +543,11 @@ class Engine:
         v.switch_failed, v._switch_due = set(), None
         if adapt is not None:
             v.adapt = adapt
+        if overlap is not None:
+            if overlap not in ("auto", "on", "off"):
+                raise UserError(f"overlap must be auto, on or off, got {overlap!r}")
+            v.overlap = self.draft is not None and _overlap_on(self.plan, overlap, self.draft_name)
+            v.overlap_gated = overlap == "auto"
         if not draft or self.draft is None:
             if draft and tree not in (None, "none"):
                 raise UserError(f"a {tree} tree needs a draft; this engine has none")

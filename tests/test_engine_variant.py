@@ -3,9 +3,12 @@ modes on). Each variant decodes as an engine loaded with its configuration would
 equals plain decoding, the sampled output equals a separately loaded engine's for the same seed,
 its tree and planners are its own, and closing it leaves the base engine working."""
 
+import time
+
 import pytest
 
 import offload_engine.planning.profiler as profiler
+from offload_engine.runtime import streamer
 from offload_engine import Engine
 from offload_engine.errors import UserError
 from test_auto_tree import _fake_profile
@@ -64,3 +67,33 @@ def test_an_engine_with_suffix_drafts_has_no_variants(target, tmp_path, monkeypa
     with Engine.load(target, draft="suffix", offload="disk", progress=False) as engine:
         with pytest.raises(UserError, match="suffix"):
             engine.variant(draft=False)
+
+
+def test_variants_set_overlap_as_load_would(target, tmp_path, monkeypatch):
+    """variant(overlap=...) over one loaded substitute self-draft (its target streamed): "on"
+    grows the next tree in the passes' waits, "auto" asks a gate of its own, "off" grows nothing;
+    greedy output equals plain decoding's in each; a bad value is refused by name."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target = make_tiny_checkpoint(tmp_path / "t6", "llama3-gqa", layers=6, seed=5, init_std=0.05)
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):  # (every layer waited for: the waits take draft work)
+        time.sleep(0.003)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    with Engine.load(target, offload="disk", progress=False) as lone:
+        plain_ids = _gen(lone).token_ids
+    with Engine.load(target, draft="self-q8", tree="sequoia", tree_budget=4, tree_depth=3, offload="disk",
+                     overlap="off", progress=False) as base:
+        assert _gen(base).stats["overlap"] is None
+        on, auto, off = (base.variant(overlap=m) for m in ("on", "auto", "off"))
+        r = _gen(on)
+        assert r.token_ids == plain_ids and r.stats["overlap"]["hits"] + r.stats["overlap"]["misses"] > 0
+        assert "gate" not in r.stats["overlap"]
+        r = _gen(auto)
+        assert r.token_ids == plain_ids and "gate" in r.stats["overlap"] and auto.overlap_gates
+        assert not base.overlap_gates and not on.overlap_gates
+        r = _gen(off)
+        assert r.token_ids == plain_ids and r.stats["overlap"] is None
+        with pytest.raises(UserError, match="overlap must be"):
+            base.variant(overlap="sometimes")

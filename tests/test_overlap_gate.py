@@ -99,6 +99,7 @@ def test_the_overrun_is_what_the_wait_work_added_to_the_pass(ckpt, tmp_path, mon
         return fill(self, *args)
     monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
     model = _streamed(ckpt, tmp_path, buffers)
+    model.layers.fit_units = False  # (the overrun as such: without the rule that holds long units back)
     try:
         _pass(model, None)  # (warm)
         got = _interleaved(model, {"none": None, "short": _worker(0.001), "long": _worker(0.045),
@@ -119,6 +120,51 @@ def test_the_overrun_is_what_the_wait_work_added_to_the_pass(ckpt, tmp_path, mon
         assert abs(lengthened - long_over) <= 0.1 * long_over + 0.012, (lengthened, long_over)
     else:  # (the loader a layer ahead: some layers are in when wanted, and take no work)
         assert long_over >= 0.02 and lengthened <= long_over + 0.01, (lengthened, long_over)
+
+
+def test_the_fit_rule_starts_only_units_that_end_before_the_layer_is_in(ckpt, tmp_path, monkeypatch):
+    """The CPU's fit rule (`LayerExecutor.fit_units`, FIT_*). One buffer, every fill slowed to
+    FILL_S = 20 ms, wait work in units of about 8 ms: unfitted, each wait runs units until the
+    layer is in, and the third ends about 4 ms after it (the overrun: about 4 ms a waited layer).
+    Fitted, the third unit is held back once the rule has durations to go by: the overrun nearly
+    vanishes, the pass is no longer than without work, and work still runs in every wait (about
+    two units of three). Thresholds, for timing on a busy 2-core machine: the fitted overrun under
+    a quarter of the unfitted one and under 1 ms a waited layer; the fitted pass within 10 ms of
+    the pass without work; the fitted work at least 40% of the unfitted work. Each kind's medians
+    over 5 interleaved rounds."""
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):
+        time.sleep(FILL_S)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    model = _streamed(ckpt, tmp_path, 1)
+    layers = model.layers
+    unit = _worker(0.008)
+    got = {k: [] for k in ("none", "unfitted", "fitted")}
+    try:
+        _pass(model, None)  # (warm: the fills' durations)
+        for _ in range(6):
+            for kind in got:
+                layers.fit_units = kind != "unfitted"
+                before = layers.snapshot()
+                seconds, overrun = _pass(model, None if kind == "none" else unit)
+                after = layers.snapshot()
+                got[kind].append((seconds, overrun, after.idle_work_seconds - before.idle_work_seconds,
+                                  after.idle_held - before.idle_held))
+    finally:
+        layers.close()
+    med = {k: [statistics.median(x[j] for x in v[1:]) for j in range(4)] for k, v in got.items()}  # (round 1: learning)
+    (plain, _, _, _), (unfit, unfit_over, unfit_work, unfit_held), (fit, fit_over, fit_work, fit_held) = (
+        med[k] for k in ("none", "unfitted", "fitted"))
+    waited = LAYERS - streamer.IDLE_TAIL_LAYERS
+    print(f"pass {plain:.4f} s; unfitted {unfit:.4f} s, overrun {unfit_over:.4f}, work {unfit_work:.4f}; "
+          f"fitted {fit:.4f} s, overrun {fit_over:.4f}, work {fit_work:.4f}, held {fit_held}")
+    assert unfit_held == 0 and fit_held >= waited - 1, (unfit_held, fit_held)
+    assert unfit_over >= waited * 0.002, unfit_over  # (the case the rule is for)
+    assert fit_over <= 0.25 * unfit_over and fit_over <= waited * 0.001, (fit_over, unfit_over)
+    assert fit <= plain + 0.010, (fit, plain)
+    assert fit_work >= 0.4 * unfit_work and fit_work >= waited * 0.008, (fit_work, unfit_work)
 
 
 def _limited(unit, k):

@@ -31,6 +31,7 @@ import ctypes
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -49,6 +50,14 @@ _POLL_S = 0.2  # how often a blocked thread checks whether the executor was clos
 SWITCH_INTERVAL_S = 0.0005
 _CUDA_HOST_REGISTER_PORTABLE = 1
 IDLE_TAIL_LAYERS = 2  # no idle work while waiting for the last layers: the pass would end late
+# The CPU's fit rule for `idle` work (`LayerExecutor.fit_units`): a unit starts only when it is
+# counted on to end before the layer waited for is in. The layer is counted on to be in this
+# quantile of the recent fills' durations after its fill began (a low one: a fill that comes
+# early is the one a unit overruns), and a unit to take this quantile of the recent units'.
+FIT_WINDOW = 16  # recent fills and units the quantiles are of
+FIT_MIN = 4  # of each, before the rule holds a unit back (until then every unit runs: learning)
+FIT_FILL_QUANTILE = 0.25
+FIT_UNIT_QUANTILE = 0.75
 
 
 @dataclass
@@ -66,6 +75,7 @@ class StreamStats:
     # how much later layers started than they could have: the time from a layer being in to the
     # end of the `idle` work that was still running then (what growing ahead added to the pass)
     idle_overrun_seconds: float = 0.0
+    idle_held: int = 0  # waits whose next unit of `idle` work was held back: it would not have fitted
 
     prefetched_bytes: int = 0  # filled ahead for the next pass, not yet consumed (when read)
 
@@ -124,6 +134,12 @@ class LayerExecutor:
         # returns False when it has nothing left
         self.idle: Callable[[], bool] | None = None
         self._idle_done = None  # CUDA: the event after the last idle unit queued
+        # the CPU's fit rule (FIT_*): recent fills' durations (their start to the layer in) and
+        # idle units' durations, and per buffer (fill number, when it began); False runs units
+        # until the layer is in, as on CUDA (where the GPU runs each unit in a copy's gap)
+        self.fit_units = True
+        self._fill_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
+        self._unit_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
@@ -133,6 +149,7 @@ class LayerExecutor:
         # per buffer: when its last fill was in (perf_counter on the CPU, an event on the copy
         # stream on CUDA), for `idle_overrun_seconds`
         self.ready_at: list[object] = [None] * k
+        self._fill_began: list[tuple[int, float] | None] = [None] * k
         self.buffers = [self._device_block() for _ in range(k)]
         # compute-dtype weights of the slots a streamed layer holds in another format, one set
         # per buffer: the copy side converts each filled block into its buffer's set
@@ -300,6 +317,11 @@ class LayerExecutor:
         while not self.ready[b].acquire(blocking=False):
             if self._error is not None:
                 self._raise_loader_error()
+            if not self.cuda and not self._unit_fits(b):
+                with self._lock:
+                    self.stats.idle_held += 1
+                self._acquire(self.ready[b])
+                break
             more = self._idle_unit(idle)
             unit_end = time.perf_counter()
             if not more:
@@ -331,9 +353,28 @@ class LayerExecutor:
     def _idle_unit(self, idle: Callable[[], bool]) -> bool:
         start = time.perf_counter()
         more = idle()
+        seconds = time.perf_counter() - start
         with self._lock:
-            self.stats.idle_work_seconds += time.perf_counter() - start
+            self.stats.idle_work_seconds += seconds
+            self._unit_seconds.append(seconds)
         return more
+
+    def _unit_fits(self, b: int) -> bool:
+        """The CPU's fit rule: whether the next unit of idle work is counted on to end before
+        buffer b's layer (the fill numbered `_consumed`) is in (FIT_*). True while either side
+        has fewer than FIT_MIN durations to go by, and always with `fit_units` off."""
+        if not self.fit_units:
+            return True
+        with self._lock:
+            fills, units, began = sorted(self._fill_seconds), sorted(self._unit_seconds), self._fill_began[b]
+        if len(fills) < FIT_MIN or len(units) < FIT_MIN:
+            return True
+        fill = _quantile(fills, FIT_FILL_QUANTILE)
+        if began is not None and began[0] == self._consumed:
+            left = began[1] + fill - time.perf_counter()
+        else:  # (not begun: the loader is still on the fill before it)
+            left = fill
+        return _quantile(units, FIT_UNIT_QUANTILE) <= left
 
     def _acquire(self, sem: threading.Semaphore) -> None:
         while not sem.acquire(timeout=_POLL_S):
@@ -394,12 +435,16 @@ class LayerExecutor:
                 while not self.free[b].acquire(timeout=_POLL_S):
                     if stop.is_set():
                         return
+                began = time.perf_counter()
+                with self._lock:  # (the fit rule's: when this fill began)
+                    self._fill_began[b] = (n, began)
                 read, copied = self._fill(layer, b, source, n, read)
                 with self._lock:
                     self.filled[b] = (read, copied)
                     self._filled_ahead += copied
-                if not self.cuda:  # (CUDA: the event after the copy and conversion, `_fill`)
-                    self.ready_at[b] = time.perf_counter()
+                    if not self.cuda:  # (CUDA: the event after the copy and conversion, `_fill`)
+                        self.ready_at[b] = time.perf_counter()
+                        self._fill_seconds.append(self.ready_at[b] - began)
                 self.ready[b].release()
                 n += 1
         except BaseException as e:  # surfaced on the compute side by _acquire
@@ -474,6 +519,11 @@ class LayerExecutor:
             self.ram_blocks, self.staging = {}, []
         if self.reader is not None and joined:  # never close the fd under an in-flight read
             self.reader.close()
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The q-quantile of an ordered list (the nearest rank below)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def pinned_block(nbytes: int, device: torch.device) -> torch.Tensor:
