@@ -167,6 +167,59 @@ def test_the_fit_rule_starts_only_units_that_end_before_the_layer_is_in(ckpt, tm
     assert fit_work >= 0.4 * unfit_work and fit_work >= waited * 0.008, (fit_work, unfit_work)
 
 
+@pytest.mark.parametrize("unit_s", [0.025, 0.060])
+def test_the_next_waits_slack_takes_more_work_and_keeps_the_pass(ckpt, tmp_path, monkeypatch, unit_s):
+    """The fit rule's slack (`LayerExecutor.fit_slack`). Two buffers, every fill slowed to
+    FILL_S = 20 ms, layers of about a millisecond, units that sleep (the rule is about time alone,
+    and sleeps keep to it on a busy machine). With the slack a unit may end up to the next
+    wait's length (a fill less a layer's compute) after its layer is in: the loader fills the
+    next layer meanwhile, so the lateness comes out of the next wait and the pass is no longer.
+    25 ms units: strict, none fits a wait (20 ms); with the slack most waits run one, ending
+    past its layer, the lateness growing until a wait holds its unit back. 60 ms units
+    outlast a wait and the next one's slack: none runs, strict or with the slack, while unfitted
+    they hold back the layers' buffers from the loader and the pass grows (the control: a slack
+    too large, as if unfitted, fails). Thresholds, for timing on a busy 2-core machine: with the
+    slack, the pass within 12 ms of the pass without work; 25 ms: strict, the work under 10 ms (a
+    unit may run while the rule learns), with the slack at least two units' worth and an overrun
+    of at least 2 ms a waited layer; 60 ms: the work with the slack under 10 ms and the unfitted
+    pass at least 40 ms longer than without work. Each kind's medians over 5 interleaved rounds."""
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):
+        time.sleep(FILL_S)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    model = _streamed(ckpt, tmp_path, 2)
+    layers = model.layers
+    def unit():
+        time.sleep(unit_s)
+        return True
+    got = {k: [] for k in ("none", "strict", "slack", "unfitted")}
+    try:
+        _pass(model, None)  # (warm: the fills' and layers' durations)
+        for _ in range(6):
+            for kind in got:
+                layers.fit_slack, layers.fit_units = kind != "strict", kind != "unfitted"
+                before = layers.snapshot()
+                seconds, overrun = _pass(model, None if kind == "none" else unit)
+                got[kind].append((seconds, overrun, layers.snapshot().idle_work_seconds - before.idle_work_seconds))
+    finally:
+        layers.close()
+    med = {k: [statistics.median(x[j] for x in v[1:]) for j in range(3)] for k, v in got.items()}  # (round 1: learning)
+    (plain, _, _), (strict, _, strict_work), (slack, slack_over, slack_work), (unfit, _, unfit_work) = (
+        med[k] for k in ("none", "strict", "slack", "unfitted"))
+    waited = LAYERS - streamer.IDLE_TAIL_LAYERS
+    print(f"units {unit_s}: pass {plain:.4f} s; strict {strict:.4f} s, work {strict_work:.4f}; slack {slack:.4f} s, "
+          f"overrun {slack_over:.4f}, work {slack_work:.4f}; unfitted {unfit:.4f} s, work {unfit_work:.4f}")
+    assert slack <= plain + 0.012, (slack, plain)
+    if unit_s < 2 * FILL_S:
+        assert strict_work < 0.010, strict_work
+        assert slack_over >= waited * 0.002 and slack_work >= 2 * unit_s, (slack_over, slack_work)
+    else:
+        assert slack_work < 0.010, slack_work
+        assert unfit >= plain + 0.040, (unfit, plain)
+
+
 def _limited(unit, k):
     """`unit` k times a wait, then nothing left (the way a tree grown ahead runs out); the call
     after that starts the next wait's k."""

@@ -54,10 +54,15 @@ IDLE_TAIL_LAYERS = 2  # no idle work while waiting for the last layers: the pass
 # counted on to end before the layer waited for is in. The layer is counted on to be in this
 # quantile of the recent fills' durations after its fill began (a low one: a fill that comes
 # early is the one a unit overruns), and a unit to take this quantile of the recent units'.
-FIT_WINDOW = 16  # recent fills and units the quantiles are of
+# With a second buffer and the next layer streamed too, a unit may end later by the slack the
+# next wait has to absorb it (`LayerExecutor.fit_slack`): the low fill quantile less this
+# quantile of the recent streamed layers' compute; the loader fills the next layer meanwhile,
+# so a layer started that late still ends before the next one is in.
+FIT_WINDOW = 16  # recent fills, units and layers the quantiles are of
 FIT_MIN = 4  # of each, before the rule holds a unit back (until then every unit runs: learning)
 FIT_FILL_QUANTILE = 0.25
 FIT_UNIT_QUANTILE = 0.75
+FIT_COMPUTE_QUANTILE = 0.75
 
 
 @dataclass
@@ -138,8 +143,10 @@ class LayerExecutor:
         # idle units' durations, and per buffer (fill number, when it began); False runs units
         # until the layer is in, as on CUDA (where the GPU runs each unit in a copy's gap)
         self.fit_units = True
+        self.fit_slack = True  # (False: every unit must end before its own layer is in)
         self._fill_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
         self._unit_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
+        self._compute_seconds: deque[float] = deque(maxlen=FIT_WINDOW)  # streamed layers' (CPU)
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
@@ -276,6 +283,8 @@ class LayerExecutor:
                 yield w
                 last_end = self.clock.mark(stream)
                 self._pending.append(("compute_seconds", start, last_end))
+                if held is not None and not self.cuda:
+                    self._compute_seconds.append(last_end - start)
                 if held is not None:
                     self._release(held, stream)
                     held = None
@@ -317,7 +326,7 @@ class LayerExecutor:
         while not self.ready[b].acquire(blocking=False):
             if self._error is not None:
                 self._raise_loader_error()
-            if not self.cuda and not self._unit_fits(b):
+            if not self.cuda and not self._unit_fits(b, i):
                 with self._lock:
                     self.stats.idle_held += 1
                 self._acquire(self.ready[b])
@@ -359,14 +368,16 @@ class LayerExecutor:
             self._unit_seconds.append(seconds)
         return more
 
-    def _unit_fits(self, b: int) -> bool:
+    def _unit_fits(self, b: int, i: int) -> bool:
         """The CPU's fit rule: whether the next unit of idle work is counted on to end before
-        buffer b's layer (the fill numbered `_consumed`) is in (FIT_*). True while either side
-        has fewer than FIT_MIN durations to go by, and always with `fit_units` off."""
+        buffer b's layer (layer i, the fill numbered `_consumed`) is in, or with `fit_slack`
+        within the slack the next streamed layer's wait leaves (FIT_*). True while a side has
+        fewer than FIT_MIN durations to go by, and always with `fit_units` off."""
         if not self.fit_units:
             return True
         with self._lock:
             fills, units, began = sorted(self._fill_seconds), sorted(self._unit_seconds), self._fill_began[b]
+            layers = sorted(self._compute_seconds)
         if len(fills) < FIT_MIN or len(units) < FIT_MIN:
             return True
         fill = _quantile(fills, FIT_FILL_QUANTILE)
@@ -374,6 +385,9 @@ class LayerExecutor:
             left = began[1] + fill - time.perf_counter()
         else:  # (not begun: the loader is still on the fill before it)
             left = fill
+        if (self.fit_slack and len(self.buffers) > 1 and i + 1 not in self.resident
+                and len(layers) >= FIT_MIN):
+            left += max(0.0, fill - _quantile(layers, FIT_COMPUTE_QUANTILE))
         return _quantile(units, FIT_UNIT_QUANTILE) <= left
 
     def _acquire(self, sem: threading.Semaphore) -> None:
