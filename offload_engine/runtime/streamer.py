@@ -55,9 +55,11 @@ IDLE_TAIL_LAYERS = 2  # no idle work while waiting for the last layers: the pass
 # quantile of the recent fills' durations after its fill began (a low one: a fill that comes
 # early is the one a unit overruns), and a unit to take this quantile of the recent units'.
 # With a second buffer and the next layer streamed too, a unit may end later by the slack the
-# next wait has to absorb it (`LayerExecutor.fit_slack`): the low fill quantile less this
-# quantile of the recent streamed layers' compute; the loader fills the next layer meanwhile,
-# so a layer started that late still ends before the next one is in.
+# next wait has to absorb it (`LayerExecutor.fit_slack`, off by default): the low fill quantile
+# less this quantile of the recent streamed layers' compute; the loader fills the next layer
+# meanwhile, so a layer started that late still ends before the next one is in. Off because on
+# this project's 2-core CPU the pass grew more with it than without in every configuration
+# measured: the lateness did not all come out of the next wait (docs/substitute-drafts.md).
 FIT_WINDOW = 16  # recent fills, units and layers the quantiles are of
 FIT_MIN = 4  # of each, before the rule holds a unit back (until then every unit runs: learning)
 FIT_FILL_QUANTILE = 0.25
@@ -143,7 +145,7 @@ class LayerExecutor:
         # idle units' durations, and per buffer (fill number, when it began); False runs units
         # until the layer is in, as on CUDA (where the GPU runs each unit in a copy's gap)
         self.fit_units = True
-        self.fit_slack = True  # (False: every unit must end before its own layer is in)
+        self.fit_slack = False  # (True: a unit may end in the next wait's slack, FIT_*)
         self._fill_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
         self._unit_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
         self._compute_seconds: deque[float] = deque(maxlen=FIT_WINDOW)  # streamed layers' (CPU)
