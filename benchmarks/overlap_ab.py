@@ -1,6 +1,8 @@
 """`--overlap on`, `off` and `auto` (the gate) side by side on one fixed tree: an engine of
 the embedded pair (self-q8, the target streamed from disk) with a variant per mode, the same
-prompts greedy, the modes interleaved prompt by prompt, two rounds. `on-unfitted` is `on` without
+prompts greedy, the modes interleaved prompt by prompt in a shuffled order (seeded), two rounds;
+each mode keeps its own memory of the fit rule (`LayerExecutor.fit_memory`), so that no mode
+starts from another's unit durations. `on-unfitted` is `on` without
 the CPU's fit rule (every unit of draft work runs until the layer waited for is in:
 `LayerExecutor.fit_units`), each unit counted on to end before its own layer is in;
 `on-slack` is `on` with a unit let end in the slack the next layer's wait leaves
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -52,16 +55,19 @@ def main(argv: list[str] | None = None) -> int:
                        tree_depth=d, overlap="on", weights=args.weights, progress=False)
     engines = {m: base.variant(overlap=m.split("-")[0]) for m in modes}
     layers = base.model.layers
+    from offload_engine.runtime.streamer import FitMemory
+    memory = {m: FitMemory() for m in modes}
+    order = random.Random(0)
     res = {m: {"s_per_token": [], "pass": [], "draft_before_pass": [], "draft_inside_pass": [], "overrun": []}
            for m in engines}
     gate: dict = {}
     try:
         for _ in range(2):
-            for i, item in enumerate(prompts):
-                j = i % len(modes)
-                for m in modes[j:] + modes[:j]:
+            for item in prompts:
+                for m in order.sample(modes, len(modes)):
                     before = layers.snapshot().idle_overrun_seconds
                     layers.fit_units, layers.fit_slack = m != "on-unfitted", m == "on-slack"
+                    layers.fit_memory = memory[m]
                     st = engines[m].generate(**item, max_new_tokens=args.max_new_tokens, temperature=0.0).stats
                     layers.fit_units, layers.fit_slack = True, False
                     res[m]["overrun"].append((layers.snapshot().idle_overrun_seconds - before) / st["target_steps"])

@@ -32,15 +32,27 @@ def ckpt(tmp_path_factory):
     return folder
 
 
-def _streamed(ckpt, tmp_path, buffers):
+def _streamed(ckpt, tmp_path, buffers, ram_layers=0):
+    """Every layer streamed through `buffers` buffers: from disk, or the first `ram_layers` from RAM."""
     c = Checkpoint(ckpt, load_config(ckpt))
     layer = LayerLayout.for_config(c.config, torch.float32).block_bytes
     fixed = sum(fixed_parts(c.config, torch.float32, 64, 16).values())
-    plan = make_plan(c.config, torch.float32, offload="disk", vram_bytes=fixed + buffers * layer + layer // 2,
-                     ram_bytes=0, buffers=buffers, max_context=64, max_batch_tokens=16)
-    assert plan.buffers == buffers and len(plan.disk_layers) == LAYERS
+    offload = "auto" if ram_layers else "disk"
+    plan = make_plan(c.config, torch.float32, offload=offload, vram_bytes=fixed + buffers * layer + layer // 2,
+                     ram_bytes=ram_layers * layer + layer // 2, buffers=buffers, max_context=64, max_batch_tokens=16)
+    assert plan.buffers == buffers and len(plan.disk_layers) == LAYERS - ram_layers, plan
     return load_target(c, torch.float32, torch.device("cpu"), plan,
-                       OffloadOptions("disk", buffers=buffers, store_root=tmp_path), progress=False)
+                       OffloadOptions(offload, buffers=buffers, store_root=tmp_path), progress=False)
+
+
+def _slow_fills(monkeypatch, seconds=FILL_S):
+    """Every layer's fill takes `seconds` more: the passes wait for every layer."""
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):
+        time.sleep(seconds)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
 
 
 def _pass(model, idle) -> tuple[float, float]:
@@ -68,12 +80,16 @@ def _interleaved(model, idles: dict, rounds=5) -> dict:
 
 
 def _worker(seconds):
-    """Wait work like a draft layer's: torch compute, in units of about `seconds` (measured)."""
+    """Wait work like a draft layer's: torch compute, in units of about `seconds` (measured: after
+    a warm-up, the products counted over 50 ms)."""
     a = torch.randn(128, 128)
-    t0 = time.perf_counter()
     for _ in range(20):
         a @ a
-    reps = max(1, round(20 * seconds / (time.perf_counter() - t0)))
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.05:
+        a @ a
+        count += 1
+    reps = max(1, round(count * seconds / (time.perf_counter() - t0)))
 
     def unit():
         for _ in range(reps):
@@ -92,12 +108,7 @@ def test_the_overrun_is_what_the_wait_work_added_to_the_pass(ckpt, tmp_path, mon
     10-15 ms and a tenth of the overrun for timing on a busy 2-core machine (a unit's length
     varies with it; measured: lengthened by 84, 132 and 133 ms where the overrun read 90, 135
     and 140). Work that runs out before the layer is in adds nothing."""
-    fill = streamer.LayerExecutor._fill
-
-    def slow(self, *args):
-        time.sleep(FILL_S)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    _slow_fills(monkeypatch)
     model = _streamed(ckpt, tmp_path, buffers)
     model.layers.fit_units = False  # (the overrun as such: without the rule that holds long units back)
     try:
@@ -132,12 +143,7 @@ def test_the_fit_rule_starts_only_units_that_end_before_the_layer_is_in(ckpt, tm
     a quarter of the unfitted one and under 1 ms a waited layer; the fitted pass within 10 ms of
     the pass without work; the fitted work at least 40% of the unfitted work. Each kind's medians
     over 5 interleaved rounds."""
-    fill = streamer.LayerExecutor._fill
-
-    def slow(self, *args):
-        time.sleep(FILL_S)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    _slow_fills(monkeypatch)
     model = _streamed(ckpt, tmp_path, 1)
     layers = model.layers
     unit = _worker(0.008)
@@ -183,12 +189,7 @@ def test_the_next_waits_slack_takes_more_work_and_keeps_the_pass(ckpt, tmp_path,
     unit may run while the rule learns), with the slack at least two units' worth and an overrun
     of at least 2 ms a waited layer; 60 ms: the work with the slack under 10 ms and the unfitted
     pass at least 40 ms longer than without work. Each kind's medians over 5 interleaved rounds."""
-    fill = streamer.LayerExecutor._fill
-
-    def slow(self, *args):
-        time.sleep(FILL_S)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    _slow_fills(monkeypatch)
     model = _streamed(ckpt, tmp_path, 2)
     layers = model.layers
     def unit():
@@ -359,12 +360,7 @@ def test_a_gate_stops_growing_trees_whose_case_never_comes_and_output_stays_plai
     again after GROW_REST, growing nothing while it rests; output equals plain greedy's, with the
     gate and with `--overlap on` (which grows in every step)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    fill = streamer.LayerExecutor._fill
-
-    def slow(self, *args):
-        time.sleep(0.01)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    _slow_fills(monkeypatch, 0.01)
     plain = greedy_past_eos(ckpt, PROMPT, 64)[0].token_ids
     monkeypatch.setattr(SpeculativeDecoder, "_case_came", staticmethod(lambda job, last, result: False))
     kw = dict(tree="sequoia", draft="self-q8", draft_group_size=32, offload="disk", buffers=2, tree_budget=4,
@@ -391,3 +387,128 @@ def test_a_gain_with_nothing_to_compare_with_is_not_counted():
     assert len(gate.window) == 1
     _step(gate, grew=False, used=2, nodes=48)  # used 2 levels, no 48-node step to compare with
     assert len(gate.window) == 0 and gate.gain_seconds == 0.0
+
+
+def test_the_fit_rule_goes_by_each_tiers_fills_and_probes_when_it_holds_every_unit(ckpt, tmp_path):
+    """The rule's arithmetic on set durations (`LayerExecutor._unit_fits`, `FitMemory`), no
+    timing involved. Fills are counted per tier: with RAM copies of 1 ms and disk reads of
+    100 ms, a 10 ms unit fits a disk layer's wait and not a RAM layer's (pooled, the low quantile
+    would be the RAM copy's and the disk wait would get nothing). A rule that holds every unit
+    back would never time one again: after FIT_PROBE waits held in a row it lets one through
+    and forgets the units' durations (the next FIT_MIN are learnt), the next probe after twice
+    as many, up to FIT_PROBE_MAX, and back to FIT_PROBE once a unit fits."""
+    model = _streamed(ckpt, tmp_path, 2, ram_layers=3)
+    layers = model.layers
+    try:
+        ram, disk = min(layers.ram_blocks), min(layers.plan.disk_layers)
+        time.sleep(0.3)  # (the loader has filled both buffers and waits: no fill begins below)
+        layers._fill_began = [None] * len(layers._fill_began)  # (not begun: a whole fill ahead)
+        mem = layers.fit_memory = streamer.FitMemory()
+        mem.fills["ram"].extend([0.001] * 8)
+        mem.fills["disk"].extend([0.100] * 8)
+        mem.units.extend([0.010] * 8)
+        assert not layers._unit_fits(0, ram) and layers._unit_fits(0, disk)
+
+        mem = layers.fit_memory = streamer.FitMemory()
+        mem.fills["disk"].extend([0.001] * 8)
+        held, probes = 0, []
+        for _ in range(8 * streamer.FIT_PROBE_MAX):  # (bounded: a rule that never probes must fail, not hang)
+            if len(probes) == 6:
+                break
+            if len(mem.units) < streamer.FIT_MIN:  # (what the next units would have measured)
+                mem.units.extend([0.5] * streamer.FIT_MIN)
+            if layers._unit_fits(0, disk):
+                probes.append(held + 1)
+                assert len(mem.units) == 0  # (forgotten: learnt again)
+                held = 0
+            else:
+                held += 1
+        p, top = streamer.FIT_PROBE, streamer.FIT_PROBE_MAX
+        assert probes == [min(p * 2 ** k, top) for k in range(6)], probes
+        mem.units.extend([0.0001] * 8)
+        assert layers._unit_fits(0, disk) and mem.probe_after == p and mem.held_in_a_row == 0
+    finally:
+        layers.close()
+
+
+def test_calls_with_nothing_to_do_are_not_timed_and_idle_is_not_asked_again_in_the_pass(ckpt, tmp_path, monkeypatch):
+    """Wait work of three 4 ms units, then nothing (as the draft's trees grown ahead end). The
+    unit that ends the work (False after units that returned True) is timed; the executor asks no
+    more in that pass: 4 calls a pass, 4 durations. Work that has nothing to do from the start
+    (False at once) is asked once and not timed. Before, every later wait asked again and timed
+    its microseconds, which made the units look short to the fit rule (the 75th percentile of 16
+    durations, a third of them near 0) and let too-long units through."""
+    _slow_fills(monkeypatch)
+    model = _streamed(ckpt, tmp_path, 1)
+    layers = model.layers
+    layers.fit_units = False  # (every unit runs until its layer is in: the calls do not depend on timing)
+    calls = []
+
+    def three_units():
+        def work():
+            for _ in range(3):
+                time.sleep(0.004)
+                yield
+        it = work()
+
+        def idle():
+            calls.append(1)
+            try:
+                next(it)
+                return True
+            except StopIteration:
+                return False
+        return idle
+
+    def nothing():
+        calls.append(1)
+        return False
+    try:
+        for _ in range(3):
+            before = len(layers.fit_memory.units), len(calls)
+            _pass(model, three_units())
+            assert (len(layers.fit_memory.units) - before[0], len(calls) - before[1]) == (4, 4)
+        assert sorted(layers.fit_memory.units)[-9:][0] >= 0.0035  # (the 9 units that worked)
+        before = len(layers.fit_memory.units), len(calls)
+        _pass(model, nothing)
+        assert (len(layers.fit_memory.units) - before[0], len(calls) - before[1]) == (0, 1)
+    finally:
+        layers.close()
+
+
+def test_a_rule_that_held_long_units_back_takes_short_ones_again(ckpt, tmp_path, monkeypatch):
+    """The probe end to end. One buffer, fills of 20 ms, the rule on. Units of 30 ms (longer than
+    a wait) for 3 passes: held back once learnt. Then units of 3 ms: without a probe the rule would
+    never run one again (it times units only when they run, and remembers the 30 ms ones); with
+    FIT_PROBE set to 4 (8 at most) it forgets them within two passes, learns the short ones and
+    fills the waits again. Thresholds: the 30 ms units held back in at least half the waits of
+    their last pass; in the last two of 4 passes of short units, at least 20 ms of work each
+    (6 waits of about 20 ms; measured: 112 ms in each of the 4, a probe during the long units'
+    passes having just forgotten them; with the probe taken out, none)."""
+    _slow_fills(monkeypatch)
+    monkeypatch.setattr(streamer, "FIT_PROBE", 4)
+    monkeypatch.setattr(streamer, "FIT_PROBE_MAX", 8)
+    model = _streamed(ckpt, tmp_path, 1)
+    layers = model.layers
+    layers.fit_memory = streamer.FitMemory(probe_after=4)
+    waited = LAYERS - streamer.IDLE_TAIL_LAYERS
+
+    def sleeper(seconds):
+        def unit():
+            time.sleep(seconds)
+            return True
+        return unit
+    try:
+        for _ in range(3):
+            before = layers.snapshot()
+            _pass(model, sleeper(0.030))
+        assert layers.snapshot().idle_held - before.idle_held >= waited // 2
+        work = []
+        for _ in range(4):
+            before = layers.snapshot()
+            _pass(model, sleeper(0.003))
+            work.append(layers.snapshot().idle_work_seconds - before.idle_work_seconds)
+        print("work a pass with the short units:", [round(w, 4) for w in work])
+        assert min(work[2:]) >= 0.020, work
+    finally:
+        layers.close()

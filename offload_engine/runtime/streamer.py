@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,7 +53,8 @@ IDLE_TAIL_LAYERS = 2  # no idle work while waiting for the last layers: the pass
 # The CPU's fit rule for `idle` work (`LayerExecutor.fit_units`): a unit starts only when it is
 # counted on to end before the layer waited for is in. The layer is counted on to be in this
 # quantile of the recent fills' durations after its fill began (a low one: a fill that comes
-# early is the one a unit overruns), and a unit to take this quantile of the recent units'.
+# early is the one a unit overruns; RAM copies and disk reads apart), and a unit to take this
+# quantile of the recent units' (those that did work: a call with nothing to do is not one).
 # With a second buffer and the next layer streamed too, a unit may end later by the slack the
 # next wait has to absorb it (`LayerExecutor.fit_slack`, off by default): the low fill quantile
 # less this quantile of the recent streamed layers' compute; the loader fills the next layer
@@ -65,6 +66,26 @@ FIT_MIN = 4  # of each, before the rule holds a unit back (until then every unit
 FIT_FILL_QUANTILE = 0.25
 FIT_UNIT_QUANTILE = 0.75
 FIT_COMPUTE_QUANTILE = 0.75
+# Units are timed only when they run, so a rule holding every unit back would never learn that
+# they got shorter (a slow spell passed, another variant's trees): after this many waits held
+# in a row the units' durations are forgotten and learnt again (the next FIT_MIN units run), and
+# the next such probe waits twice as many, up to FIT_PROBE_MAX (back to FIT_PROBE once a unit
+# fits by the rule again). Where the units are still too long, a probe costs FIT_MIN overruns.
+FIT_PROBE = 64
+FIT_PROBE_MAX = 1024
+
+
+@dataclass
+class FitMemory:
+    """What the CPU's fit rule goes by (FIT_*): the recent fills' durations, per tier (RAM
+    copies and disk reads take different times), the recent idle units' and streamed layers'
+    durations, and the probe's state. One per executor; a benchmark comparing modes on one
+    executor gives each mode its own (`LayerExecutor.fit_memory`)."""
+    fills: dict = field(default_factory=lambda: {tier: deque(maxlen=FIT_WINDOW) for tier in ("ram", "disk")})
+    units: deque = field(default_factory=lambda: deque(maxlen=FIT_WINDOW))
+    layers: deque = field(default_factory=lambda: deque(maxlen=FIT_WINDOW))
+    held_in_a_row: int = 0
+    probe_after: int = FIT_PROBE
 
 
 @dataclass
@@ -146,9 +167,10 @@ class LayerExecutor:
         # until the layer is in, as on CUDA (where the GPU runs each unit in a copy's gap)
         self.fit_units = True
         self.fit_slack = False  # (True: a unit may end in the next wait's slack, FIT_*)
-        self._fill_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
-        self._unit_seconds: deque[float] = deque(maxlen=FIT_WINDOW)
-        self._compute_seconds: deque[float] = deque(maxlen=FIT_WINDOW)  # streamed layers' (CPU)
+        self.fit_memory = FitMemory()
+        # this pass's idle work: None (not asked yet), "ran" (a unit returned True), "spent"
+        # (it returned False: not asked again until the next pass)
+        self._idle_state: str | None = None
         self.clock = _Clock(self.cuda)
         self.stats = StreamStats()
         self._pending: list[tuple[str, object, object]] = []  # (stat name, start, end) to resolve
@@ -198,6 +220,7 @@ class LayerExecutor:
         self._error = None
         self._stop = threading.Event()
         self._consumed = 0
+        self._fill_began = [None] * k  # (an abandoned pass's fill numbers are not this one's)
         self.free = [threading.Semaphore(1) for _ in range(k)]
         self.ready = [threading.Semaphore(0) for _ in range(k)]
         self.filled = [(0, 0)] * k  # per buffer: (bytes read from disk, bytes copied in) by its last fill
@@ -262,6 +285,7 @@ class LayerExecutor:
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         pass_start = self.clock.mark(stream)
         last_end, done, held = pass_start, 0, None
+        self._idle_state = None
         try:
             for i in range(self.plan.num_layers):
                 if i in self.resident:
@@ -286,7 +310,8 @@ class LayerExecutor:
                 last_end = self.clock.mark(stream)
                 self._pending.append(("compute_seconds", start, last_end))
                 if held is not None and not self.cuda:
-                    self._compute_seconds.append(last_end - start)
+                    with self._lock:
+                        self.fit_memory.layers.append(last_end - start)
                 if held is not None:
                     self._release(held, stream)
                     held = None
@@ -321,7 +346,7 @@ class LayerExecutor:
         delayed the layer by is added to `idle_overrun_seconds`: on the CPU, from the layer being
         in to the end of the last unit; on CUDA, from the later of the layer's copy and the end
         of the layer before (`since`) to the end of the work queued before the layer."""
-        idle = self.idle if i < self.plan.num_layers - IDLE_TAIL_LAYERS else None
+        idle = self.idle if i < self.plan.num_layers - IDLE_TAIL_LAYERS and self._idle_state != "spent" else None
         if idle is None:
             return self._acquire(self.ready[b])
         unit_end, more = None, True  # when the last unit of idle work returned (None: none ran)
@@ -362,24 +387,33 @@ class LayerExecutor:
         return self.stats.idle_overrun_seconds
 
     def _idle_unit(self, idle: Callable[[], bool]) -> bool:
+        """One unit of idle work, timed. A unit counts toward the fit rule's durations when it
+        returned True, or False after units that returned True this pass (the one that finished
+        the work); a False at once is a call with nothing to do, and its microseconds would
+        make every unit look short. After a False, idle is not asked again this pass."""
         start = time.perf_counter()
         more = idle()
         seconds = time.perf_counter() - start
         with self._lock:
             self.stats.idle_work_seconds += seconds
-            self._unit_seconds.append(seconds)
+            if more or self._idle_state == "ran":
+                self.fit_memory.units.append(seconds)
+        self._idle_state = "ran" if more else "spent"
         return more
 
     def _unit_fits(self, b: int, i: int) -> bool:
         """The CPU's fit rule: whether the next unit of idle work is counted on to end before
         buffer b's layer (layer i, the fill numbered `_consumed`) is in, or with `fit_slack`
         within the slack the next streamed layer's wait leaves (FIT_*). True while a side has
-        fewer than FIT_MIN durations to go by, and always with `fit_units` off."""
+        fewer than FIT_MIN durations to go by, always with `fit_units` off, and for a probe
+        after FIT_PROBE (doubling) waits held in a row (which forgets the units' durations)."""
         if not self.fit_units:
             return True
+        mem = self.fit_memory
         with self._lock:
-            fills, units, began = sorted(self._fill_seconds), sorted(self._unit_seconds), self._fill_began[b]
-            layers = sorted(self._compute_seconds)
+            fills, units, began = (sorted(mem.fills["ram" if i in self.ram_blocks else "disk"]),
+                                   sorted(mem.units), self._fill_began[b])
+            layers = sorted(mem.layers)
         if len(fills) < FIT_MIN or len(units) < FIT_MIN:
             return True
         fill = _quantile(fills, FIT_FILL_QUANTILE)
@@ -390,7 +424,15 @@ class LayerExecutor:
         if (self.fit_slack and len(self.buffers) > 1 and i + 1 not in self.resident
                 and len(layers) >= FIT_MIN):
             left += max(0.0, fill - _quantile(layers, FIT_COMPUTE_QUANTILE))
-        return _quantile(units, FIT_UNIT_QUANTILE) <= left
+        if _quantile(units, FIT_UNIT_QUANTILE) <= left:
+            mem.held_in_a_row, mem.probe_after = 0, FIT_PROBE
+            return True
+        mem.held_in_a_row += 1
+        if mem.held_in_a_row < mem.probe_after:
+            return False
+        mem.held_in_a_row, mem.probe_after = 0, min(2 * mem.probe_after, FIT_PROBE_MAX)
+        mem.units.clear()  # (a probe: this unit and the next FIT_MIN - 1 run and are timed)
+        return True
 
     def _acquire(self, sem: threading.Semaphore) -> None:
         while not sem.acquire(timeout=_POLL_S):
@@ -454,13 +496,14 @@ class LayerExecutor:
                 began = time.perf_counter()
                 with self._lock:  # (the fit rule's: when this fill began)
                     self._fill_began[b] = (n, began)
+                    tier = "ram" if layer in self.ram_blocks else "disk"
                 read, copied = self._fill(layer, b, source, n, read)
                 with self._lock:
                     self.filled[b] = (read, copied)
                     self._filled_ahead += copied
                     if not self.cuda:  # (CUDA: the event after the copy and conversion, `_fill`)
                         self.ready_at[b] = time.perf_counter()
-                        self._fill_seconds.append(self.ready_at[b] - began)
+                        self.fit_memory.fills[tier].append(self.ready_at[b] - began)
                 self.ready[b].release()
                 n += 1
         except BaseException as e:  # surfaced on the compute side by _acquire
