@@ -89,11 +89,11 @@ def test_variants_set_overlap_as_load_would(target, tmp_path, monkeypatch):
         on, auto, off = (base.variant(overlap=m) for m in ("on", "auto", "off"))
         r = _gen(on)
         assert r.token_ids == plain_ids and r.stats["overlap"]["hits"] + r.stats["overlap"]["misses"] > 0
-        assert "gate" not in r.stats["overlap"]
+        assert "gate" not in r.stats["overlap"] and r.stats["idle_work_seconds"] > 0
         r = _gen(auto)
         assert r.token_ids == plain_ids and "gate" in r.stats["overlap"] and auto.overlap_gates
         assert not base.overlap_gates and not on.overlap_gates
         r = _gen(off)
-        assert r.token_ids == plain_ids and r.stats["overlap"] is None
+        assert r.token_ids == plain_ids and r.stats["overlap"] is None and r.stats["idle_work_seconds"] == 0
         with pytest.raises(UserError, match="overlap must be"):
             base.variant(overlap="sometimes")

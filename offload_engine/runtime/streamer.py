@@ -354,9 +354,10 @@ class LayerExecutor:
             if self._error is not None:
                 self._raise_loader_error()
             if not self.cuda and not self._unit_fits(b, i):
-                with self._lock:
-                    self.stats.idle_held += 1
-                self._acquire(self.ready[b])
+                if not self.ready[b].acquire(blocking=False):  # (not in meanwhile: a unit held back)
+                    with self._lock:
+                        self.stats.idle_held += 1
+                    self._acquire(self.ready[b])
                 break
             more = self._idle_unit(idle)
             unit_end = time.perf_counter()
