@@ -162,9 +162,9 @@ class LayerExecutor:
         # returns False when it has nothing left
         self.idle: Callable[[], bool] | None = None
         self._idle_done = None  # CUDA: the event after the last idle unit queued
-        # the CPU's fit rule (FIT_*): recent fills' durations (their start to the layer in) and
-        # idle units' durations, and per buffer (fill number, when it began); False runs units
-        # until the layer is in, as on CUDA (where the GPU runs each unit in a copy's gap)
+        # the CPU's fit rule (FIT_*): what it goes by in `fit_memory`, and per buffer when its
+        # fill began (`_fill_began`, set by `_start_loader`); False runs units until the layer
+        # is in, as on CUDA (where the GPU runs each unit in a copy's gap)
         self.fit_units = True
         self.fit_slack = False  # (True: a unit may end in the next wait's slack, FIT_*)
         self.fit_memory = FitMemory()
@@ -180,7 +180,6 @@ class LayerExecutor:
         # per buffer: when its last fill was in (perf_counter on the CPU, an event on the copy
         # stream on CUDA), for `idle_overrun_seconds`
         self.ready_at: list[object] = [None] * k
-        self._fill_began: list[tuple[int, float] | None] = [None] * k
         self.buffers = [self._device_block() for _ in range(k)]
         # compute-dtype weights of the slots a streamed layer holds in another format, one set
         # per buffer: the copy side converts each filled block into its buffer's set
@@ -220,7 +219,8 @@ class LayerExecutor:
         self._error = None
         self._stop = threading.Event()
         self._consumed = 0
-        self._fill_began = [None] * k  # (an abandoned pass's fill numbers are not this one's)
+        # per buffer: (fill number, when it began); an abandoned pass's numbers are not this one's
+        self._fill_began: list[tuple[int, float] | None] = [None] * k
         self.free = [threading.Semaphore(1) for _ in range(k)]
         self.ready = [threading.Semaphore(0) for _ in range(k)]
         self.filled = [(0, 0)] * k  # per buffer: (bytes read from disk, bytes copied in) by its last fill
@@ -412,8 +412,7 @@ class LayerExecutor:
             return True
         mem = self.fit_memory
         with self._lock:
-            fills, units, began = (sorted(mem.fills["ram" if i in self.ram_blocks else "disk"]),
-                                   sorted(mem.units), self._fill_began[b])
+            fills, units, began = sorted(mem.fills[self._tier(i)]), sorted(mem.units), self._fill_began[b]
             layers = sorted(mem.layers)
         if len(fills) < FIT_MIN or len(units) < FIT_MIN:
             return True
@@ -434,6 +433,10 @@ class LayerExecutor:
         mem.held_in_a_row, mem.probe_after = 0, min(2 * mem.probe_after, FIT_PROBE_MAX)
         mem.units.clear()  # (a probe: this unit and the next FIT_MIN - 1 run and are timed)
         return True
+
+    def _tier(self, layer: int) -> str:
+        """Which of `FitMemory.fills` a streamed layer's fills are counted in."""
+        return "ram" if layer in self.ram_blocks else "disk"
 
     def _acquire(self, sem: threading.Semaphore) -> None:
         while not sem.acquire(timeout=_POLL_S):
@@ -497,14 +500,13 @@ class LayerExecutor:
                 began = time.perf_counter()
                 with self._lock:  # (the fit rule's: when this fill began)
                     self._fill_began[b] = (n, began)
-                    tier = "ram" if layer in self.ram_blocks else "disk"
                 read, copied = self._fill(layer, b, source, n, read)
                 with self._lock:
                     self.filled[b] = (read, copied)
                     self._filled_ahead += copied
                     if not self.cuda:  # (CUDA: the event after the copy and conversion, `_fill`)
                         self.ready_at[b] = time.perf_counter()
-                        self.fit_memory.fills[tier].append(self.ready_at[b] - began)
+                        self.fit_memory.fills[self._tier(layer)].append(self.ready_at[b] - began)
                 self.ready[b].release()
                 n += 1
         except BaseException as e:  # surfaced on the compute side by _acquire
