@@ -153,3 +153,41 @@ class RankEvidence:
 
     def as_dict(self) -> dict:
         return {"at_risk": list(self.at_risk), "accepted": list(self.accepted)}
+
+
+
+
+# ---- how much the acceptance moves from one prompt to the next ------------------------------
+
+PROMPT_MIN_TRIES = 8  # a prompt's rank-1 tries for its count to enter `prompt_tau`
+PROMPT_MIN_PROMPTS = 4  # prompts with that many, for an estimate
+TAU_GRID = tuple(i * 0.05 for i in range(61))  # 0 .. 3, the values of tau tried
+_NODES = 16  # Gauss-Hermite nodes of the normal integral
+
+
+def prompt_tau(counts) -> tuple[float, float] | None:
+    """How much the first rank's acceptance moves from one prompt to the next beyond chance, from
+    per-prompt (tried, accepted) rank-1 counts: a prompt's log-odds of accepting rank 1 drawn from
+    a normal of mean mu and standard deviation tau, its count binomial given them; (tau at the
+    maximum of the likelihood, mu profiled out; the upper end of its 90% interval, where twice
+    the log-likelihood has fallen by 2.71). Both over TAU_GRID. None with fewer than
+    PROMPT_MIN_PROMPTS counts of PROMPT_MIN_TRIES tries or more (`benchmarks/prompt_spread.py`)."""
+    import numpy as np
+    used = [(float(n), float(a)) for n, a in counts if n >= PROMPT_MIN_TRIES and 0 <= a <= n]
+    if len(used) < PROMPT_MIN_PROMPTS:
+        return None
+    n, a = (np.array(x) for x in zip(*used))
+    z, w = np.polynomial.hermite_e.hermegauss(_NODES)
+    w = w / w.sum()
+    pooled = (a.sum() + 0.5) / (n.sum() + 1.0)
+    mus = math.log(pooled / (1 - pooled)) + np.linspace(-4.0, 4.0, 81)
+    tau = np.array(TAU_GRID)
+    x = mus[:, None, None] + tau[None, :, None] * z[None, None, :]  # [mu, tau, node]
+    log_h, log_1h = -np.logaddexp(0.0, -x), -np.logaddexp(0.0, x)
+    per = a[:, None, None, None] * log_h + (n - a)[:, None, None, None] * log_1h  # [prompt, mu, tau, node]
+    top = per.max(axis=-1, keepdims=True)
+    ll = (np.log((np.exp(per - top) * w).sum(axis=-1)) + top[..., 0]).sum(axis=0)  # [mu, tau]
+    profile = ll.max(axis=0)
+    best = int(profile.argmax())
+    inside = np.nonzero(2 * (profile[best] - profile) <= 2.71)[0]
+    return float(tau[best]), float(tau[inside.max()])
