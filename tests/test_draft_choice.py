@@ -286,6 +286,38 @@ def test_a_short_answer_length_is_carried_to_the_table_and_the_tree(folders, fak
                 assert s2 == pytest.approx(s1) and tree2 == tree1, (fresh.name, t, n)
 
 
+def test_the_table_is_chosen_again_when_a_pairs_acceptance_vectors_change(folders, fakes, monkeypatch):
+    """The table's predictions rest on each pair's acceptance vectors as much as on its profile: a
+    vector re-measured (a pull of the repo's stored ones, the quick measurement's cache) re-chooses;
+    the same bytes do not."""
+    target, _ = folders
+    from offload_engine import engine as engine_module
+    from offload_engine.speculation.acceptance_store import MEASUREMENT, acceptance_cache_dir
+    evaluated = []
+    plan_only = engine_module.plan_only
+    monkeypatch.setattr(engine_module, "plan_only", lambda *a, **k: evaluated.append(k["draft"]) or plan_only(*a, **k))
+    first = Engine.load(target, draft="auto", offload="disk", progress=False)
+    first.close()
+    assert len(evaluated) == 5
+    q4 = next(c for c in first.draft_choice.candidates if c.name == "self-q4")
+    assert q4.pair == [first.target_fingerprint, first.draft_key]
+    cache = acceptance_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    record = {"acceptance": [0.6, 0.1], "temperature": 0.0, "target_fingerprint": q4.pair[0],
+              "draft_key": q4.pair[1], "measurement": MEASUREMENT}
+    (cache / "q4__t0.json").write_text(json.dumps(record))  # a vector the table was not planned from
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    assert len(evaluated) == 10
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    assert len(evaluated) == 10  # the same bytes: trusted
+    (cache / "q4__t0.json").write_text(json.dumps({**record, "acceptance": [0.7, 0.1]}))  # measured again
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    assert len(evaluated) == 15
+    (cache / "q4__t0.json").write_text(json.dumps({**record, "measurement": MEASUREMENT - 1}))  # not used: gone
+    Engine.load(target, draft="auto", offload="disk", progress=False).close()
+    assert len(evaluated) == 20
+
+
 def test_a_cached_tables_chosen_draft_says_what_its_loaded_engine_predicts(folders, fakes):
     """A cached table's figures are from when it was chosen; the chosen draft's engine predicts
     again when it loads (its profile speed-checked, `profiler.speed_now`). `DraftChoice.refresh`

@@ -31,7 +31,9 @@ text predicts (it is listed, with that reason); `--draft suffix` or `X+suffix` c
 
 The table is cached in <cache>/draft-choice/, keyed by the target, the machine and the placement
 flags, and trusted only while every candidate's profile it was computed from is still cached
-(a profile measured again re-chooses). `sequoia-offload plan --draft auto` prints it.
+(a profile measured again re-chooses) and its pair's acceptance vectors, stored or cached, are
+the files it was planned from, byte for byte (vectors re-measured, a pull that brings new ones
+or a quick measurement's cache cleared re-choose). `sequoia-offload plan --draft auto` prints it.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ from ..fsutil import atomic_write_text, cache_root
 
 SELF_CANDIDATES = ("self-q8", "self-q4", "self-int8", "self-int4")
 TEMPERATURES = (0.0, 0.6)
-CHOICE_VERSION = 4  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`); 3: by length;
-# 4: a step's floor, the pass's compute and the draft's work (`Timings.step`)
+CHOICE_VERSION = 5  # 2: plain decoding pooled over the candidates of one plan (`pool_plain`); 3: by length;
+# 4: a step's floor, the pass's compute and the draft's work (`Timings.step`); 5: the acceptance
+# vectors' digests (`vector_digests`)
 # between answers, another candidate replaces the loaded draft (`switch_target`) when its speed-up
 # over plain decoding is this much above what the loaded one's planner has learned it makes here
 SWITCH_MARGIN = 0.15
@@ -71,6 +74,8 @@ class Candidate:
     dropped: str = ""  # why it is not a candidate (memory, vocabulary, ...); "" when it is
     profile: str = ""  # the profile file its timings came from
     measured_at: str = ""  # that profile's own time stamp (measured again: the choice is made again)
+    pair: list = field(default_factory=list)  # [target fingerprint, draft key]: whose acceptance vectors
+    vectors: dict = field(default_factory=dict)  # the pair's vector files it was planned from -> their digests
 
     def score(self, temperature: float | None, length: int | None = None) -> float:
         """Predicted s/token at the temperature (the nearest measured), or the mean over both;
@@ -270,7 +275,22 @@ def _cached(path: Path, temperature: float | None, length: int | None = None) ->
         return None  # unreadable or of another form: chosen again
     if any(c.profile and _measured_at(c.profile) != c.measured_at for c in cands):
         return None  # a profile gone or measured again since
+    if any(c.pair and vector_digests(*c.pair) != c.vectors for c in cands):
+        return None  # the pair's acceptance vectors re-measured, added or gone since
     return _pick(cands, temperature, length)
+
+
+def vector_digests(target_fp: str | None, dkey: str | None) -> dict:
+    """The pair's acceptance vector files (stored in the repo or cached: `known_vectors`) and the
+    sha256 of each one's bytes."""
+    from ..speculation.acceptance_store import known_vectors
+    out = {}
+    for _, path in known_vectors(target_fp, dkey).values():
+        try:
+            out[str(path)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+        except OSError:
+            out[str(path)] = ""
+    return out
 
 
 def _measured_at(profile: str) -> str | None:
@@ -370,6 +390,8 @@ def choose_draft(folder: Path, embedded: bool, load_kwargs: dict, *, load, plan,
                       f"{p.bytes_per_pass} B a pass")
             c.profile = str(profile_path(engine))
             c.measured_at = _measured_at(c.profile) or ""
+            c.pair = [engine.target_fingerprint, engine.draft_key]
+            c.vectors = vector_digests(*c.pair)
         except (UserError, RuntimeError, MemoryError) as e:  # (CUDA's out of memory is a RuntimeError)
             c.dropped = str(e).replace("\n", " ")[:300]
             c.predicted, c.plain, c.plain_measured, c.trees, c.by_length = {}, {}, {}, {}, {}
