@@ -41,13 +41,20 @@ def test_greedy_with_each_default_draft_equals_plain(plain, draft, offload):
 
 
 def test_stored_vectors_cover_every_draft_and_temperature():
+    """... measured the way the planner uses them: deep measuring trees (a one-level tree read
+    self-q8's first rank at 0.978 where deep trees meet 0.96), every node of each accepted path
+    counted, and for a substitute draft every layer streamed, as the demo runs it (its key has no
+    -r<n>: with --offload none it is another draft)."""
     engine = Engine.load("default", device="cpu", tree="sequoia", draft="self-int8", progress=False)
-    for draft in DRAFTS:
+    for draft in DRAFTS + ["self-q8", "self-q4"]:
         for t in ("0", "0.6"):
             path = STORE_DIR / f"smollm2-135m-instruct__{draft}__t{t}.json"
             data = json.loads(path.read_text())
             assert data["target_fingerprint"] == engine.target_fingerprint, path
             assert data["prompts"] >= 40 and data["width"] >= 8 and data["mode"] == "on-policy"
+            assert data.get("depth", 2) >= 3 and data["rank_evidence"]["at_risk"][0] >= 1000, path
+            key = data["draft_key"]
+            assert key.startswith("model:") if draft == "default" else key.split("-g")[0] == draft, path
 
 
 def test_committed_draft_is_the_trained_one_small_and_documented():
