@@ -9,10 +9,9 @@
 # token, 3 levels), every node of each accepted path counted (`RankEvidence`), and the target
 # disk-streamed, as `demo` runs it without a GPU (a substitute draft's key then has no -r<n>:
 # with --offload none every layer is resident and self-q8 is another draft, self-q8-r30).
-# One-level trees with the target in memory read self-q8's first rank at 0.978 where the deep
-# trees of real use met 0.956 (docs/choosing-the-tree.md). A stored vector is data about today's
-# drafts: run this again after any change to a draft's numbers (self-int8's stored 0.972 was of
-# the self-int8 of 2026-11-30; by 2026-12-06 it read 0.914-0.942).
+# A stored vector is data about today's drafts: run this again after any change to a draft's
+# numbers (self-int8's stored 0.972 was of the self-int8 of 2026-11-30; by 2026-12-06 it read
+# 0.914 measured the old way and 0.942 this way; docs/choosing-the-tree.md).
 #
 #   scripts/measure_default_acceptance.sh [draft ...]
 #       (default: self-q8 self-q4 self-int8 self-int4 default)

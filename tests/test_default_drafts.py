@@ -4,6 +4,7 @@ more often than the untrained early exit it started from), and the stored accept
 exist for every draft at T=0 and T=0.6 and are what --tree sequoia uses."""
 
 import json
+import re
 
 import pytest
 
@@ -41,10 +42,10 @@ def test_greedy_with_each_default_draft_equals_plain(plain, draft, offload):
 
 
 def test_stored_vectors_cover_every_draft_and_temperature():
-    """... measured the way the planner uses them: deep measuring trees (a one-level tree read
-    self-q8's first rank at 0.978 where deep trees meet 0.96), every node of each accepted path
-    counted, and for a substitute draft every layer streamed, as the demo runs it (its key has no
-    -r<n>: with --offload none it is another draft)."""
+    """... measured the way the planner uses them and of today's drafts (the vectors of 2026-11-30
+    read self-int8's first rank at 0.972 where today's reads 0.94): deep measuring trees, every
+    node of each accepted path counted, and for a substitute draft every layer streamed, as the
+    demo runs it (its key has no -r<n>: with --offload none it is another draft)."""
     engine = Engine.load("default", device="cpu", tree="sequoia", draft="self-int8", progress=False)
     for draft in DRAFTS + ["self-q8", "self-q4"]:
         for t in ("0", "0.6"):
@@ -54,7 +55,8 @@ def test_stored_vectors_cover_every_draft_and_temperature():
             assert data["prompts"] >= 40 and data["width"] >= 8 and data["mode"] == "on-policy"
             assert data.get("depth", 2) >= 3 and data["rank_evidence"]["at_risk"][0] >= 1000, path
             key = data["draft_key"]
-            assert key.startswith("model:") if draft == "default" else key.split("-g")[0] == draft, path
+            # (no -r<n>: every layer a substitute, as the demo streams them)
+            assert key.startswith("model:") if draft == "default" else re.fullmatch(rf"{draft}(-g\d+)?", key), path
 
 
 def test_committed_draft_is_the_trained_one_small_and_documented():

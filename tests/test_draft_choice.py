@@ -318,6 +318,22 @@ def test_the_table_is_chosen_again_when_a_pairs_acceptance_vectors_change(folder
     assert len(evaluated) == 20
 
 
+def test_vector_digests_name_the_files_not_their_folder(tmp_path, monkeypatch):
+    """Two checkouts (or a moved one) with the same vectors share one cache: the same digests, so
+    neither throws the other's table out; other bytes, other digests."""
+    from offload_engine.speculation import acceptance_store as store
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    record = {"acceptance": [0.9, 0.1], "temperature": 0.0, "target_fingerprint": "fp", "draft_key": "d"}
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "v__t0.json").write_text(json.dumps(record if name != "c" else {**record, "acceptance": [0.8]}))
+    digests = []
+    for name in ("a", "b", "c"):
+        monkeypatch.setattr(store, "STORE_DIR", tmp_path / name)
+        digests.append(draft_choice.vector_digests("fp", "d"))
+    assert digests[0] and digests[0] == digests[1] and digests[2] != digests[0]
+
+
 def test_a_cached_tables_chosen_draft_says_what_its_loaded_engine_predicts(folders, fakes):
     """A cached table's figures are from when it was chosen; the chosen draft's engine predicts
     again when it loads (its profile speed-checked, `profiler.speed_now`). `DraftChoice.refresh`

@@ -275,21 +275,26 @@ def _cached(path: Path, temperature: float | None, length: int | None = None) ->
         return None  # unreadable or of another form: chosen again
     if any(c.profile and _measured_at(c.profile) != c.measured_at for c in cands):
         return None  # a profile gone or measured again since
-    if any(c.pair and vector_digests(*c.pair) != c.vectors for c in cands):
-        return None  # the pair's acceptance vectors re-measured, added or gone since
+    try:
+        if any(c.pair and vector_digests(*c.pair) != c.vectors for c in cands):
+            return None  # the pair's acceptance vectors re-measured, added or gone since
+    except (TypeError, ValueError):
+        return None  # a pair of another form: chosen again
     return _pick(cands, temperature, length)
 
 
 def vector_digests(target_fp: str | None, dkey: str | None) -> dict:
-    """The pair's acceptance vector files (stored in the repo or cached: `known_vectors`) and the
+    """The pair's acceptance vectors (stored in the repo or cached: `known_vectors`), by temperature
+    and file name (not the folder: two checkouts sharing one cache read the same table), with the
     sha256 of each one's bytes."""
     from ..speculation.acceptance_store import known_vectors
     out = {}
-    for _, path in known_vectors(target_fp, dkey).values():
+    for t, (_, path) in sorted(known_vectors(target_fp, dkey).items()):
         try:
-            out[str(path)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+            digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
         except OSError:
-            out[str(path)] = ""
+            digest = ""
+        out[f"{t:g} {Path(path).name}"] = digest
     return out
 
 
