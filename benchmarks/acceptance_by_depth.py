@@ -23,21 +23,15 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.fixed_tree import add_args, answers  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default="self-q8")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--offload", default="disk")
-    ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=32)
-    ap.add_argument("--depth", type=int, default=16)
+    add_args(ap, prompts=10, max_new_tokens=128, budget=32)
     ap.add_argument("--deepest", type=int, default=6, help="depths from this one on are counted together")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from sequoia_trees.acceptance import path_evidence
-    from offload_engine import Engine
     from offload_engine.speculation import decoder as dec
     from offload_engine.speculation.measure import read_prompts
     paths = []  # (parents, accepted, ranks) of every step
@@ -51,10 +45,8 @@ def main(argv=None) -> int:
         return result
     dec.SpeculativeDecoder.step = step
     prompts = read_prompts(Path(__file__).parent / "prompts.jsonl")[: args.prompts]
-    with Engine.load("default", draft=args.draft, tree="sequoia", tree_budget=args.budget, tree_depth=args.depth,
-                     offload=args.offload, progress=False) as engine:
-        for i, item in enumerate(prompts):
-            engine.generate(**item, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=i)
+    for _ in answers(args, prompts):
+        pass
     by_depth, by_state = {}, {}
     for parents, accepted, ranks in paths:
         for i, (children, rank) in enumerate(path_evidence(parents, accepted, ranks)):

@@ -23,35 +23,26 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.fixed_tree import add_args, answers  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default="self-q8")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--offload", default="disk")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--json", default=None)
+    add_args(ap, prompts=16, max_new_tokens=64, budget=16)
     args = ap.parse_args(argv)
     from sequoia_trees.acceptance import prompt_tau
-    from offload_engine import Engine
     from offload_engine.apps.cli import DEMO_PROMPT
     from offload_engine.speculation.measure import read_prompts
     prompts = read_prompts(Path(__file__).parent / "prompts.jsonl")[: args.prompts]
     prompts.append({"messages": [{"role": "user", "content": DEMO_PROMPT}]})
     rows = []
     t0 = time.perf_counter()
-    with Engine.load("default", draft=args.draft, tree="sequoia", tree_budget=args.budget, tree_depth=args.depth,
-                     offload=args.offload, progress=False) as engine:
-        for i, item in enumerate(prompts):
-            r = engine.generate(**item, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=i)
-            ev = r.stats["rank_evidence"]
-            rows.append({"prompt": i, "tried": int(ev["at_risk"][0]), "accepted": int(ev["accepted"][0]),
-                         "tokens_per_step": round(r.stats["tokens_per_step"], 3), "new_tokens": r.stats["new_tokens"]})
-            print(f"  prompt {i:2d}: rank 1 {rows[-1]['accepted']}/{rows[-1]['tried']}, "
-                  f"{rows[-1]['tokens_per_step']:.2f} tokens a step", flush=True)
+    for i, r in answers(args, prompts):
+        ev = r.stats["rank_evidence"]
+        rows.append({"prompt": i, "tried": int(ev["at_risk"][0]), "accepted": int(ev["accepted"][0]),
+                     "tokens_per_step": round(r.stats["tokens_per_step"], 3), "new_tokens": r.stats["new_tokens"]})
+        print(f"  prompt {i:2d}: rank 1 {rows[-1]['accepted']}/{rows[-1]['tried']}, "
+              f"{rows[-1]['tokens_per_step']:.2f} tokens a step", flush=True)
     tau = prompt_tau([(r["tried"], r["accepted"]) for r in rows])
     tried, accepted = sum(r["tried"] for r in rows), sum(r["accepted"] for r in rows)
     print(f"{args.draft}, T={args.temperature:g}, ({args.budget}, {args.depth}), {len(rows)} prompts: rank 1 "

@@ -155,8 +155,6 @@ class RankEvidence:
         return {"at_risk": list(self.at_risk), "accepted": list(self.accepted)}
 
 
-
-
 # ---- how much the acceptance moves from one prompt to the next ------------------------------
 
 PROMPT_MIN_TRIES = 8  # a prompt's rank-1 tries for its count to enter `prompt_tau`
