@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 import offload_engine.planning.profiler as profiler
+import offload_engine.planning.draft_choice as draft_choice
 from benchmarks import latency
 from offload_engine.apps.cli import main
 from tiny_models import make_tiny_checkpoint
@@ -121,6 +122,16 @@ def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pai
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "measure", _fast_profile)
     monkeypatch.setattr(latency, "DRAFT_CANDIDATES", ("self-int8", "self-q8"))
+    # one switch forced after the first answer (what the run measures decides it otherwise, and a
+    # short noisy run may or may not switch): the row must record it, and stay exact across it
+    real_target, forced = draft_choice.switch_target, []
+
+    def switch_once(choice, current, *a, **kw):
+        if forced:
+            return real_target(choice, current, *a, **kw)
+        forced.append(current)
+        return ({"self-int8": "self-q8", "self-q8": "self-int8"}[current], 9.0)
+    monkeypatch.setattr(draft_choice, "switch_target", switch_once)
     assert main(_args(pair, tmp_path, "--draft-auto-study", "--no-peer")) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["mode"] for r in rows} == {"plain-streamed", "self-int8-auto", "self-q8-auto", "draft-auto",
@@ -150,7 +161,13 @@ def test_draft_auto_study_compares_the_chosen_draft_with_the_best_single_one(pai
             r["draft_chosen"] = "none"
     assert "chose none; plain decoding" in latency.markdown(res)
     # a switch between answers: the row keeps it, and the table says after which prompt
-    assert all(r["draft_switches"] == [] for r in rows if r["mode"] == "draft-auto")  # (none in this short run)
+    # the forced switch: recorded once, after the first answer at T=0, from the pick to the other
+    switched = [(r["temperature"], w) for r in rows if r["mode"] == "draft-auto" for w in r["draft_switches"]]
+    assert len(forced) == 1 and len(switched) == 1, (forced, switched)
+    (t, w), = switched
+    assert t == 0.0 and w["prompt"] == 0 and w["from"] == forced[0] and w["from"] != w["to"]
+    assert w["from"] == next(r for r in rows if r["mode"] == "draft-auto")["draft_chosen"]
+    assert w["to"] in ("self-int8", "self-q8") and w["seconds"] > 0 and "9.00x" in w["why"]
     r = next(r for r in res["rows"] if r["mode"] == "draft-auto")
     r["draft_switches"] = [{"prompt": 1, "from": "none", "to": "self-int8", "seconds": 0.5, "why": "w"}]
     assert "chose none; switched to self-int8 after prompt 2; plain decoding" in latency.markdown(res)
