@@ -233,3 +233,28 @@ def test_the_stats_range_is_the_one_printed_at_the_start_of_the_answer(pair, fak
     assert fresh.log.start_spread is not None and planner.candidates is not plan.candidates  # (it refilled)
     assert auto["predicted_speedup_range"] == pytest.approx(list(fresh.log.start_spread), rel=1e-12)
     assert auto["predicted_speedup_range"][0] < auto["predicted_speedup"] < auto["predicted_speedup_range"][1]
+
+
+
+def test_the_demo_plans_from_the_stored_vectors_and_keeps_nothing(pair, fake_profile, capsys):
+    """`demo` neither reads what generate, chat and serve learned nor writes: its one canned prompt
+    is no sample of the user's (planned from what the user's answers taught, the demo's easy
+    answer measured 2.98-3.54x against 2.05-2.66x predicted; written back, its repeats taught the
+    planner that one answer and the learned trees cycled, 2026-12-07)."""
+    from offload_engine.apps.cli import main
+    model = ["--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu"]
+    generate = ["generate", *model, "--prompt", PROMPT, "--max-new-tokens", "12"]
+    assert main(generate) == 0
+    files = list(learned.folder().glob("*.json"))
+    assert len(files) == 1
+    capsys.readouterr()
+    assert main(generate) == 0  # (what generate learned, generate uses)
+    assert "learned from" in capsys.readouterr().err
+    kept = files[0].read_bytes()
+    for extra in ([], ["--forget"]):  # (--forget: accepted, and the same)
+        assert main(["demo", *model, *extra]) == 0
+        err = capsys.readouterr().err
+        assert "tree auto at T=0" in err and "learned from" not in err, err
+        assert list(learned.folder().glob("*.json")) == files and files[0].read_bytes() == kept
+    assert main(generate) == 0
+    assert json.loads(files[0].read_text())["generations"] == 3  # (generate still keeps what it learns)
