@@ -362,7 +362,7 @@ class Engine:
         generations will ask for (max_new_tokens), when known: the tree (and draft) chosen at load,
         and the predictions printed for them, are for answers that long (None: long ones); with
         adaptation each generation re-chooses for its own max_new_tokens (adapt=False keeps the
-        load-time choice for every generation). `remember` (the CLI's default; off here, so that
+        load-time choice for every generation). `remember` (the CLI's default but for `demo`; off here, so that
         a script's runs do not depend on earlier ones): with --tree auto and adaptation, what the
         planners learn (this pair's acceptance, the answers' lengths) is kept after every
         generation and the next load plans from it (`planning.learned`).

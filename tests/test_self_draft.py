@@ -210,6 +210,11 @@ def test_fused_projections_give_the_separate_outputs_bit_for_bit(target, scheme,
     assert M.FUSED_QKV in fused and M.FUSED_GATE_UP in fused and "self_attn.q_proj.weight" not in fused
     assert "mlp.up_proj.weight" not in fused and "mlp.down_proj.weight" in fused
     fused = {n: make(w) if n.endswith("proj.weight") and isinstance(w, torch.Tensor) else w for n, w in fused.items()}
+    int8 = [m for layer in (separate, fused) for m in layer.values() if isinstance(m, QuantizedLinear)
+            and m.scheme == "int8" and m.backend == "kernel"]
+    if gemm and not any(m.wide for m in int8):
+        pytest.skip("this CPU's integer GEMM is missing or disagrees with the reference: no int8 matrix takes it")
+    assert all(m.wide == gemm for m in int8)  # (each matrix takes the path the case is for)
     inv = M.rope_inv_freq(cfg)
     g = torch.Generator().manual_seed(5)
     for width in (1, 5, 12):

@@ -9,8 +9,8 @@ vector and from no lengths, and its first line's prediction was the calibration 
 demo, 2026-12-05: 12.96 tokens a step predicted for a 128-token answer, 8.25-11.0 measured on its
 67-token answer, the same answer every run).
 
-So after each generation of an engine loaded with `remember=True` (the CLI's default; `--forget`
-turns it off) the planner's state is written to <cache>/learned/<key>.json: the decayed counts of
+So after each generation of an engine loaded with `remember=True` (the CLI's default but for
+`demo`, which plans from the stored vectors alone; `--forget` turns it off) the planner's state is written to <cache>/learned/<key>.json: the decayed counts of
 the acceptance estimate (its prior's pseudo-observations included, so that a restored estimate
 goes on exactly as the old one would have), the stored prior it started from, and the lengths of
 the last answers that ended on their own. The next load with the same target, draft and stored
