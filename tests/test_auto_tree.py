@@ -3,6 +3,7 @@ plan from a (fake, fast) profile and still decodes exactly; a real profile is me
 and reused."""
 
 import json
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -304,6 +305,31 @@ def test_a_speed_check_rescales_both_parts_only_when_the_machine_moved():
     assert scaled.target_pass_s == prof.target_pass_s and scaled.draft_level_s == pytest.approx([0.1] * 3)
     spike = profiler.SpeedCheck(target_now=2.0, target_then=0.2, draft_now=0.05, draft_then=0.05)
     assert spike.clamped and spike.target == profiler.CHECK_MAX_SCALE and spike.draft == 1.0
+
+
+def test_the_profile_s_check_readings_are_the_median_of_one_per_round(pair, tmp_path, monkeypatch):
+    """The readings a later speed check is compared with are taken like the profile's passes and
+    levels: one in each round of its timed steps and one at its end, the median kept (one reading
+    alone read 0.77-1.11x its profile's plain step on the 2-vCPU machine). Here the readings are
+    told: every round's and the last, the middle one stored; a reading not taken (None) is left out."""
+    from offload_engine import Engine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    told = iter([(0.30, 0.010), (0.10, None), (0.90, 0.030), (0.20, 0.020), (0.50, 0.050)])  # (their median is no first nor last one)
+    taken = []
+
+    def reading(engine, *a, **k):
+        taken.append(next(told))
+        return taken[-1]
+    monkeypatch.setattr(profiler, "check_readings", reading)
+    engine = Engine.load(pair, draft="self-int8", draft_group_size=32, tree="sequoia", tree_budget=4, tree_depth=2,
+                         progress=False)
+    try:
+        prof = profiler.measure(engine, budget_s=8, progress=False)
+    finally:
+        engine.close()
+    assert len(taken) >= 2  # (the steps' rounds, two at most, and the end)
+    assert prof.check_target_s == statistics.median(t for t, _ in taken)
+    assert prof.check_draft_s == statistics.median(d for _, d in taken if d is not None)
 
 
 def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tmp_path, monkeypatch):
