@@ -235,7 +235,6 @@ def test_the_stats_range_is_the_one_printed_at_the_start_of_the_answer(pair, fak
     assert auto["predicted_speedup_range"][0] < auto["predicted_speedup"] < auto["predicted_speedup_range"][1]
 
 
-
 def test_the_demo_plans_from_the_stored_vectors_and_keeps_nothing(pair, fake_profile, capsys):
     """`demo` neither reads what generate, chat and serve learned nor writes: its one canned prompt
     is no sample of the user's (planned from what the user's answers taught, the demo's easy

@@ -628,11 +628,16 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
 
     checks: list[tuple[float | None, float | None]] = []  # the speed check's readings, one per round
 
+    def check_round() -> None:
+        # (a target whose first reading was not taken, its pass over CHECK_MAX_PASS_S, is not
+        # asked again: each reading would prefill and run a pass of it, seconds for a 70B one)
+        checks.append(check_readings(engine, target=not checks or checks[0][0] is not None))
+
     def repeat_round() -> None:  # one more timing of every short pass and level, between the steps' rounds
         if pass_repeats is not None:
             pass_repeats.round()
         level_repeats.round()
-        checks.append(check_readings(engine))
+        check_round()
 
     # 4. real steps of several shapes, greedy and sampled, timed whole: the step model fitted to them
     steps_budget = min(budget_s * 0.2, max(0.0, budget_s - (time.perf_counter() - started)))
@@ -656,7 +661,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
     # the median of one taken in each round of the steps and one now, as the passes and levels are
     # (one reading alone read 0.77-1.11x the plain step its profile fitted, over the 27 profiles of
     # the 2-vCPU machine's default target on 2026-12-06 and 07, and a later check's ratio moved with it)
-    checks.append(check_readings(engine))
+    check_round()
     check_t, check_d = (_median_of(r[k] for r in checks) for k in (0, 1))
     bar.update(1)
     bar.close()
