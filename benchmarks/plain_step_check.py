@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     if args.force:  # (the load measured a profile already when none was cached: this one is fresher)
         prof, _, _ = profiler.cached_or_measured(engine, progress=False, force=True)
         predicted = prof.timings(greedy=True).plain()
-    else:  # the prediction the engine makes: its T=0 plan's step model (rescaled where its load's check moved it)
+    else:  # the prediction the engine makes: its T=0 plan's step model (rescaled by its load's check)
         check = engine.speed_check
         if check is not None:
             print(check.describe())

@@ -1,8 +1,8 @@
 """Does the simulator predict real speed? Two checks, each within 15%:
 
 (a) this machine: the simulator fed this machine's measured profile (target disk-streamed,
-    draft resident, the profile `--tree auto` uses, rescaled as the engine rescales it when its
-    load's speed check finds the machine moved) and the pair's stored acceptance vector
+    draft resident, the profile `--tree auto` uses, rescaled as the engine rescales it by its
+    load's speed check, half the way to the check's readings) and the pair's stored acceptance vector
     predicts the seconds per token of real runs with `--tree auto --no-adapt` (greedy, T=0), and of fixed
     Sequoia trees (`--trees`), measured here over `--prompts` prompts of benchmarks/prompts.jsonl
     (decode time only: prefill excluded, as the prediction is per decoding step), the trees taking
@@ -60,7 +60,7 @@ def check_machine(args) -> dict:
     prof, path, _ = profiler.cached_or_measured(engine, progress=True)
     check = engine.speed_check  # the load's check of a cached profile (None: measured at load)
     plan = engine.auto_plans[min(engine.auto_plans)]  # the vector nearest T=0
-    # the step model the engine plans with: the profile's greedy one, rescaled where the check moved it
+    # the step model the engine plans with: the profile's greedy one, rescaled by the load's check
     timings = plan.timings
     factor = timings.draft_factor
     configs = []
@@ -98,7 +98,7 @@ def check_machine(args) -> dict:
                      "error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE})
     engine.close()
     return {"profile": str(path), "speed_check": None if check is None else check.as_dict(),
-            "rescaled_by_speed_check": bool(check is not None and check.moved), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
+            "rescaled_by_speed_check": bool(check is not None and (check.target or check.draft)), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
             "fit_cv_error_greedy": prof.fit_cv_error_greedy,
             "shaped_by_pair_vector": bool(prof.fit_vector_greedy),
             "rows": rows, "within_tolerance": all(r["within_tolerance"] for r in rows),

@@ -480,14 +480,13 @@ class Engine:
         prof, path, fresh = profiler.cached_or_measured(self, progress=progress)
         if progress:
             print(f"sequoia-offload: {'measured' if fresh else 'using'} the machine profile {path}", file=sys.stderr)
-        # a cached profile of this machine: its cheapest readings timed again, and the parts the
-        # machine's speed has moved rescaled to now (`profiler.speed_now`; a synthetic profile,
+        # a cached profile of this machine: its cheapest readings timed again, and its parts
+        # rescaled half the way to now (`profiler.speed_now`, CHECK_TRUST; a synthetic profile,
         # of another "machine", has nothing to compare with)
         self.speed_check = None
         if not fresh and prof.machine == profiler.machine_name(self.model.device):
             self.speed_check = profiler.speed_now(self, prof)
-            if self.speed_check.moved:
-                prof = profiler.rescaled(prof, self.speed_check)
+            prof = profiler.rescaled(prof, self.speed_check)
             if progress:
                 print(f"sequoia-offload: {self.speed_check.describe()}", file=sys.stderr)
         # (the steps make the tokens after the prefill's first)

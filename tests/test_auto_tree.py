@@ -143,7 +143,10 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
                             ({"fit_step_s": [0.1] * len(good["fit_budgets"]) + [0.1]}, "differ in length"),
                             ({"fit_vector": [0.7, 0.6]}, "'fit_vector' is not an acceptance vector"),
                             ({"fit_vector_greedy": [0.5, "x"]}, "'fit_vector_greedy' must be a number"),
-                            ({"fit_vector_greedy": 0.5}, "'fit_vector_greedy' must be a list")):
+                            ({"fit_vector_greedy": 0.5}, "'fit_vector_greedy' must be a list"),
+                            ({"target_retimed": [64]}, "'target_retimed' and 'target_retimed_from_s' differ"),
+                            ({"target_retimed": [64], "target_retimed_from_s": [0.0]},
+                             "'target_retimed_from_s' must be positive")):
         out.write_text(json.dumps({**good, **change}).replace("Infinity", "1e400"))
         with pytest.raises(UserError, match=message):
             load_measured(out)
@@ -284,27 +287,38 @@ def test_the_machine_name_names_the_cpu_extensions_the_kernels_depend_on(monkeyp
     assert vnni.endswith("(avx2, avx512f, avx512_vnni)")
 
 
-def test_a_speed_check_rescales_both_parts_only_when_the_machine_moved():
+def test_a_speed_check_rescales_both_parts_half_the_way():
     """`profiler.rescaled`: the target's passes and waits by the check's target ratio, the draft's
-    levels (greedy and sampled) by its draft ratio, both once either ratio is past
-    CHECK_TOLERANCE; within it the profile stays as measured; a reading not taken leaves its part."""
+    levels (greedy and sampled) by its draft ratio, each to the power CHECK_TRUST (a reading is
+    half believed), within CHECK_TOLERANCE too (past it, the readings are taken twice: `moved`);
+    a reading not taken leaves its part."""
+    k = profiler.CHECK_TRUST
+    assert 0 < k < 1
     class _E:
         folder, target_fingerprint, draft_key = "t", "fp", "dk"
     prof = replace(_fake_profile(_E(), pass_s=0.2, draft_s=0.05), target_idle_s=(0.02, 0.01, 0.0, 0.0))
     check = profiler.SpeedCheck(target_now=0.1, target_then=0.2, draft_now=0.0525, draft_then=0.05)
-    assert check.moved and check.target == 0.5 and check.draft == pytest.approx(1.05)
+    assert check.moved and check.target == pytest.approx(0.5 ** k) and check.draft == pytest.approx(1.05 ** k)
+    assert check.target_ratio == 0.5
     now = profiler.rescaled(prof, check)
-    assert now.target_pass_s == pytest.approx([0.1] * 4) and now.target_idle_s == pytest.approx([0.01, 0.005, 0, 0])
-    assert now.draft_level_s == pytest.approx([0.0525] * 3) and now.draft_level_greedy_s == pytest.approx([0.0525] * 3)
+    assert now.target_pass_s == pytest.approx([0.2 * 0.5 ** k] * 4)
+    assert now.target_idle_s == pytest.approx([0.02 * 0.5 ** k, 0.01 * 0.5 ** k, 0, 0])
+    assert now.draft_level_s == pytest.approx([0.05 * 1.05 ** k] * 3)
+    assert now.draft_level_greedy_s == pytest.approx([0.05 * 1.05 ** k] * 3)
     assert (now.step_residual_s, now.plain_step_s, now.measured_at) == (prof.step_residual_s, prof.plain_step_s, "now")
     quiet = profiler.SpeedCheck(target_now=0.19, target_then=0.2, draft_now=0.054, draft_then=0.05)
-    assert not quiet.moved and quiet.target is None and profiler.rescaled(prof, quiet) == prof
-    assert "within 20%" in quiet.describe() and "rescaled to now" in check.describe()
+    assert not quiet.moved and quiet.target == pytest.approx(0.95 ** k) and quiet.draft == pytest.approx(1.08 ** k)
+    calm = profiler.rescaled(prof, quiet)
+    assert calm.target_pass_s == pytest.approx([0.2 * 0.95 ** k] * 4)
+    assert calm.draft_level_s == pytest.approx([0.05 * 1.08 ** k] * 3)
+    assert profiler.rescaled(prof, profiler.SpeedCheck(None, 0.2, None, 0.05)) == prof  # (nothing read)
+    assert f"the profile is rescaled: its target passes {0.5 ** k:.2f}x and draft levels {1.05 ** k:.2f}x" \
+        in check.describe()
     untimed = profiler.SpeedCheck(target_now=None, target_then=3.0, draft_now=0.1, draft_then=0.05)
     scaled = profiler.rescaled(prof, untimed)
-    assert scaled.target_pass_s == prof.target_pass_s and scaled.draft_level_s == pytest.approx([0.1] * 3)
+    assert scaled.target_pass_s == prof.target_pass_s and scaled.draft_level_s == pytest.approx([0.05 * 2 ** k] * 3)
     spike = profiler.SpeedCheck(target_now=2.0, target_then=0.2, draft_now=0.05, draft_then=0.05)
-    assert spike.clamped and spike.target == profiler.CHECK_MAX_SCALE and spike.draft == 1.0
+    assert spike.clamped and spike.target == pytest.approx(profiler.CHECK_MAX_SCALE ** k) and spike.draft == 1.0
 
 
 @pytest.mark.parametrize("first_target", [0.30, None])
@@ -367,19 +381,20 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     monkeypatch.setattr(profiler, "_timed", clock(0.4))
     result, engine = greedy_past_eos(pair, "Hello", 12, draft="self-int8", tree="auto", offload="disk")
     check = engine.speed_check
-    assert (check.target, check.draft) == (pytest.approx(0.4), pytest.approx(0.4)) and not check.clamped
+    k = profiler.CHECK_TRUST
+    assert (check.target, check.draft) == (pytest.approx(0.4 ** k), pytest.approx(0.4 ** k)) and not check.clamped
     # (a move is read twice before it is believed: `speed_now`)
     assert ran.count(("target", 1)) == ran.count(("draft", 16, True)) == 2 * (profiler.CHECK_REPEATS + 1)
     assert check.first == (pytest.approx(0.4 * prof.check_target_s), pytest.approx(0.4 * prof.check_draft_s))
     want = profiler.rescaled(prof, check)
-    assert want.target_pass_s == pytest.approx([0.4 * t for t in prof.target_pass_s])
+    assert want.target_pass_s == pytest.approx([0.4 ** k * t for t in prof.target_pass_s])
     for t, plan in engine.auto_plans.items():
         assert plan.timings == want.timings(greedy=t == 0)  # (the plan made from the rescaled profile)
-    assert result.stats["auto"]["speed_check"]["target_scale"] == pytest.approx(0.4)
+    assert result.stats["auto"]["speed_check"]["target_scale"] == pytest.approx(0.4 ** k)
     assert result.token_ids == greedy_past_eos(pair, "Hello", 12)[0].token_ids
     monkeypatch.setattr(profiler, "_timed", clock(0.05))  # a load spike in the other direction: 20x
     _, spiked = greedy_past_eos(pair, "Hello", 2, draft="self-int8", tree="auto", offload="disk")
-    assert spiked.speed_check.clamped and spiked.speed_check.target == pytest.approx(1 / profiler.CHECK_MAX_SCALE)
+    assert spiked.speed_check.clamped and spiked.speed_check.target == pytest.approx(profiler.CHECK_MAX_SCALE ** -k)
     assert "held at 3x" in spiked.speed_check.describe()
     # a slow second: the first readings 1.5x, the second ones as the profile's; the second agree
     # with the profile, and nothing is rescaled (the draft's: 1.5x, then 1.3x: taken as 1.3x)
@@ -396,20 +411,22 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     _, calm = greedy_past_eos(pair, "Hello", 2, draft="self-int8", tree="auto", offload="disk")
     c = calm.speed_check
     assert c.first == (pytest.approx(1.5 * prof.check_target_s), pytest.approx(1.5 * prof.check_draft_s))
-    assert c.moved and c.target == pytest.approx(1.0) and c.draft == pytest.approx(1.3)
+    assert c.moved and c.target == pytest.approx(1.0) and c.draft == pytest.approx(1.3 ** k)
     assert "read twice" in c.describe()
-    # the printed range's spell: how far two readings of a part disagreed (1.5 against 1.0)
+    # the printed range's spell: how far two readings of a part disagreed (1.5 against 1.0), or
+    # the part of the move not taken (0.4x read twice, (1 - CHECK_TRUST) of it left)
     import math
-    assert c.spell == pytest.approx(math.log(1.5)) and check.spell == pytest.approx(0.0)
+    assert c.spell == pytest.approx(math.log(1.5)) and check.spell == pytest.approx((1 - k) * -math.log(0.4))
     assert all(plan.spell == pytest.approx(math.log(1.5)) for plan in calm.auto_plans.values())
     calls.clear()
     monkeypatch.setattr(profiler, "_timed", lambda fn, device: (
         real_timed(fn, device) if getattr(fn, "reading", None) not in then else (fn(), then[fn.reading] * 1.1)[1]))
     _, quiet = greedy_past_eos(pair, "Hello", 2, draft="self-int8", tree="auto", offload="disk")
     assert quiet.speed_check.first is None and not quiet.speed_check.moved  # (within 20%: read once)
-    # used as measured, 10% off: that much stays in the prediction, and the range says so
-    assert quiet.speed_check.spell == pytest.approx(math.log(1.1))
-    assert quiet.auto_plans[0.0].spell == pytest.approx(math.log(1.1))
+    # rescaled half the way, 10% off: the rest stays in the prediction, and the range says so
+    assert quiet.speed_check.target == pytest.approx(1.1 ** k)
+    assert quiet.speed_check.spell == pytest.approx((1 - k) * math.log(1.1))
+    assert quiet.auto_plans[0.0].spell == pytest.approx((1 - k) * math.log(1.1))
 
 
 @pytest.mark.parametrize("error,spell", [(0.0, 0.0), (0.06, 0.0), (0.03, 0.12)])
@@ -456,3 +473,82 @@ def test_the_printed_range_holds_eight_in_ten_simulated_answers(error, spell):
     # plain decoding and long answers have no range
     assert speedup_spread(cands, cands.choice(1, 1, timings), timings.plain(), length, error) is None
     assert speedup_spread(cands, choice, timings.plain(), None, error) is None
+
+
+def _line_curve(n: int) -> float:
+    return 0.01 + 0.0005 * n
+
+
+def test_a_pass_off_its_neighbours_line_is_timed_again_with_them(monkeypatch):
+    """`retime_bumps`: a median 1.5x off the line through its neighbours' (a slow spell of its
+    own) is timed again back to back with them, each round in a spell of its own (1x to 2x,
+    the same for the three timings of a round), and comes back to the curve: the spells cancel in
+    the ratio, as they did not in a median. A shape of the pass's own (here the 2-token pass,
+    1.25x its neighbours' line, as on the 2-vCPU machine) is re-timed and kept, and so is the
+    4-token one that it puts below the line through it; a pass off its line by less than
+    BUMP_TOLERANCE, or one taking long_s, is not timed again."""
+    import random
+    rng = random.Random(0)
+    true = {n: _line_curve(n) * (1.25 if n == 2 else 1.0) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    true[512] = 2.0  # (a pass of seconds: timed once, never again)
+    medians = dict(true)
+    medians[64] *= 1.5
+    medians[16] *= 1.1  # (within the tolerance)
+    medians[512] *= 1.5
+    spell, timed = [1.0], []
+
+    def clock(fn, device):
+        if len(timed) % 3 == 0:
+            spell[0] = rng.uniform(1.0, 2.0)
+        timed.append(fn.width)
+        return true[fn.width] * spell[0]
+
+    class Job:
+        def __init__(self, n):
+            self.width = n
+    monkeypatch.setattr(profiler, "_timed", clock)
+    before = profiler.retime_bumps({n: Job(n) for n in true}, medians, None)
+    assert before == {64: pytest.approx(1.5 * true[64]), 2: pytest.approx(true[2]), 4: pytest.approx(true[4])}
+    assert [medians[n] for n in (2, 4, 64)] == pytest.approx([true[n] for n in (2, 4, 64)])
+    assert medians[16] == pytest.approx(1.1 * true[16]) and medians[512] == 3.0  # (left as they were)
+    assert all(medians[n] == true[n] for n in true if n not in (2, 4, 16, 64, 512))
+    # the farthest off first, each with its neighbours, BUMP_ROUNDS rounds
+    assert timed == [32, 64, 128] * profiler.BUMP_ROUNDS + [1, 2, 4] * profiler.BUMP_ROUNDS + [2, 4, 8] * profiler.BUMP_ROUNDS
+    timed.clear()
+    on_line = {n: _line_curve(n) for n in true}
+    assert profiler.retime_bumps({n: Job(n) for n in true}, on_line, None) == {} and timed == []
+    assert profiler.retime_bumps({n: Job(n) for n in true}, medians, None, deadline=0.0) == {}
+
+
+def test_the_profile_retimes_a_pass_slow_in_its_rounds_and_says_so(pair, tmp_path, monkeypatch, capsys):
+    """Wired into `measure`: a 16-token pass slow (1.6x) in every timing of the passes' rounds and
+    not when timed again beside its neighbours is stored as the curve has it, before the step model
+    is fitted to the passes; the profile records it and `profile` prints it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real_timed, real_retime = profiler._timed, profiler.retime_bumps
+    calm = []
+
+    def clock(fn, device):
+        reading = getattr(fn, "reading", None)
+        if not reading or reading[0] != "target":
+            return real_timed(fn, device)
+        fn()
+        return _line_curve(reading[1]) * (1.6 if reading[1] == 16 and not calm else 1.0)
+
+    def retime(*a, **k):
+        calm.append(True)
+        return real_retime(*a, **k)
+    fitted = []
+    real_fit = profiler.fit_step_model
+    monkeypatch.setattr(profiler, "fit_step_model", lambda *a: fitted.append(a[2]) or real_fit(*a))
+    monkeypatch.setattr(profiler, "_timed", clock)
+    monkeypatch.setattr(profiler, "retime_bumps", retime)
+    out = tmp_path / "p.json"
+    assert main(["profile", "--target", str(pair), "--device", "cpu", "--draft", "self-int8", "--offload", "disk",
+                 "--budget-s", "10", "--out", str(out)]) == 0
+    prof = load_measured(out)
+    assert 16 in prof.target_tokens[1:-1]
+    assert prof.target_pass_s == pytest.approx([_line_curve(n) for n in prof.target_tokens])
+    assert prof.target_retimed == (16,) and prof.target_retimed_from_s == pytest.approx((1.6 * _line_curve(16),))
+    assert all(f.target_seconds == pytest.approx(tuple(_line_curve(n) for n in prof.target_tokens)) for f in fitted)
+    assert "the 16-token pass's median (0.0288 s) was over 15% off the line" in capsys.readouterr().out

@@ -619,12 +619,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof, path, fresh = profiler.cached_or_measured(engine, args.budget_s, progress=True, force=args.force)
     print(f"{'measured' if fresh else 'cached'}: {path}")
     if not fresh:  # (what `--tree auto` will do with it at load; the profile itself is shown as cached)
-        print(profiler.speed_now(engine, prof).describe("would be rescaled to now when `--tree auto` loads it"))
+        print(profiler.speed_now(engine, prof).describe("would be rescaled when `--tree auto` loads it"))
     print(f"machine: {prof.machine}; {prof.device} ({prof.dtype}); plan: {prof.plan}")
     print(f"streaming: {prof.stream_source} {prof.stream_gb_per_s:.2f} GB/s")
     print("| target tokens | pass s |\n|---:|---:|")
     for n, t in zip(prof.target_tokens, prof.target_pass_s):
         print(f"| {n} | {t:.4f} |")
+    for n, was in zip(prof.target_retimed, prof.target_retimed_from_s):
+        print(f"the {n}-token pass's median ({was:.4f} s) was over {profiler.BUMP_TOLERANCE:.0%} off the line "
+              f"through its neighbours'; timed again back to back with them {profiler.BUMP_ROUNDS} times, it is "
+              "taken at their median ratio to that line")
     print("| draft level width | greedy s | sampled s |\n|---:|---:|---:|")
     for w, tg, ts in zip(prof.draft_widths, prof.draft_level_greedy_s, prof.draft_level_s):
         print(f"| {w} | {tg:.4f} | {ts:.4f} |")

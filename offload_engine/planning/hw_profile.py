@@ -110,6 +110,10 @@ class MeasuredProfile:
     # the median of five back to back); 0: not taken (a pass too long to check)
     check_target_s: float = 0.0
     check_draft_s: float = 0.0
+    # the passes whose median sat off the line through their neighbours' and were timed again
+    # back to back with them (`profiler.retime_bumps`): their widths and their medians before
+    target_retimed: tuple[int, ...] = ()
+    target_retimed_from_s: tuple[float, ...] = ()
 
     def timings(self, greedy: bool = False):
         """The optimizer's input for greedy or sampled decoding: times made non-decreasing in
@@ -244,7 +248,7 @@ def load_measured(path: Path) -> MeasuredProfile:
     prof = from_dict(MeasuredProfile, data, path)
     for xs, ys in (("target_tokens", "target_pass_s"), ("draft_widths", "draft_level_s"),
                    ("draft_widths", "draft_level_greedy_s"), ("fit_budgets", "fit_depths"), ("fit_budgets", "fit_step_s"),
-                   ("fit_budgets", "fit_step_greedy_s")):
+                   ("fit_budgets", "fit_step_greedy_s"), ("target_retimed", "target_retimed_from_s")):
         if len(getattr(prof, xs)) != len(getattr(prof, ys)):
             raise UserError(f"{path}: fields {xs!r} and {ys!r} differ in length")
     try:
