@@ -98,7 +98,8 @@ def check_machine(args) -> dict:
                      "error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE})
     engine.close()
     return {"profile": str(path), "speed_check": None if check is None else check.as_dict(),
-            "rescaled_by_speed_check": bool(check is not None and (check.target or check.draft)), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
+            "rescaled_by_speed_check": bool(check is not None and any(x is not None and x != 1.0
+                                                                        for x in (check.target, check.draft))), "vector": plan.source, "engine_auto_tree": [plan.choice.budget, plan.choice.depth],
             "fit_cv_error_greedy": prof.fit_cv_error_greedy,
             "shaped_by_pair_vector": bool(prof.fit_vector_greedy),
             "rows": rows, "within_tolerance": all(r["within_tolerance"] for r in rows),

@@ -144,7 +144,8 @@ def test_profile_command_measures_caches_and_validates(pair, tmp_path, monkeypat
                             ({"fit_vector": [0.7, 0.6]}, "'fit_vector' is not an acceptance vector"),
                             ({"fit_vector_greedy": [0.5, "x"]}, "'fit_vector_greedy' must be a number"),
                             ({"fit_vector_greedy": 0.5}, "'fit_vector_greedy' must be a list"),
-                            ({"target_retimed": [64]}, "'target_retimed' and 'target_retimed_from_s' differ"),
+                            ({"target_retimed": [64] * (len(good["target_retimed_from_s"]) + 1)},
+                             "'target_retimed' and 'target_retimed_from_s' differ"),
                             ({"target_retimed": [64], "target_retimed_from_s": [0.0]},
                              "'target_retimed_from_s' must be positive")):
         out.write_text(json.dumps({**good, **change}).replace("Infinity", "1e400"))
@@ -319,6 +320,9 @@ def test_a_speed_check_rescales_both_parts_half_the_way():
     assert scaled.target_pass_s == prof.target_pass_s and scaled.draft_level_s == pytest.approx([0.05 * 2 ** k] * 3)
     spike = profiler.SpeedCheck(target_now=2.0, target_then=0.2, draft_now=0.05, draft_then=0.05)
     assert spike.clamped and spike.target == pytest.approx(profiler.CHECK_MAX_SCALE ** k) and spike.draft == 1.0
+    # the printed range's share: the part of the move not taken (10x read, 3x ** k applied)
+    import math
+    assert spike.spell == pytest.approx(math.log(10) - k * math.log(profiler.CHECK_MAX_SCALE))
 
 
 @pytest.mark.parametrize("first_target", [0.30, None])
@@ -481,15 +485,17 @@ def _line_curve(n: int) -> float:
 
 def test_a_pass_off_its_neighbours_line_is_timed_again_with_them(monkeypatch):
     """`retime_bumps`: a median 1.5x off the line through its neighbours' (a slow spell of its
-    own) is timed again back to back with them, each round in a spell of its own (1x to 2x,
-    the same for the three timings of a round), and comes back to the curve: the spells cancel in
-    the ratio, as they did not in a median. A shape of the pass's own (here the 2-token pass,
-    1.25x its neighbours' line, as on the 2-vCPU machine) is re-timed and kept, and so is the
-    4-token one that it puts below the line through it; a pass off its line by less than
-    BUMP_TOLERANCE, or one taking long_s, is not timed again."""
+    own) is timed again back to back with them, each round in a spell of its own (1x to 2x for
+    the three timings of a round, each besides off by up to 2% of its own), and comes back to the
+    curve (within 8%, the jitter's worst case): the spells cancel in the ratio, as they did not in
+    a median. A shape of the
+    pass's own (here the 2-token pass, 1.3x its neighbours' line; 1.04-1.44x on the 2-vCPU
+    machine) is re-timed and kept, and so is the 4-token one that it puts 0.85x below the line
+    through it; a pass off its line by less than BUMP_TOLERANCE (1.1x), or one taking long_s, is
+    not timed again."""
     import random
     rng = random.Random(0)
-    true = {n: _line_curve(n) * (1.25 if n == 2 else 1.0) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    true = {n: _line_curve(n) * (1.3 if n == 2 else 1.0) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
     true[512] = 2.0  # (a pass of seconds: timed once, never again)
     medians = dict(true)
     medians[64] *= 1.5
@@ -501,15 +507,15 @@ def test_a_pass_off_its_neighbours_line_is_timed_again_with_them(monkeypatch):
         if len(timed) % 3 == 0:
             spell[0] = rng.uniform(1.0, 2.0)
         timed.append(fn.width)
-        return true[fn.width] * spell[0]
+        return true[fn.width] * spell[0] * rng.uniform(0.98, 1.02)
 
     class Job:
         def __init__(self, n):
             self.width = n
     monkeypatch.setattr(profiler, "_timed", clock)
     before = profiler.retime_bumps({n: Job(n) for n in true}, medians, None)
-    assert before == {64: pytest.approx(1.5 * true[64]), 2: pytest.approx(true[2]), 4: pytest.approx(true[4])}
-    assert [medians[n] for n in (2, 4, 64)] == pytest.approx([true[n] for n in (2, 4, 64)])
+    assert before == {64: pytest.approx(1.5 * true[64]), 2: pytest.approx(true[2]), 4: pytest.approx(true[4], rel=0.08)}
+    assert [medians[n] for n in (2, 4, 64)] == pytest.approx([true[n] for n in (2, 4, 64)], rel=0.08)
     assert medians[16] == pytest.approx(1.1 * true[16]) and medians[512] == 3.0  # (left as they were)
     assert all(medians[n] == true[n] for n in true if n not in (2, 4, 16, 64, 512))
     # the farthest off first, each with its neighbours, BUMP_ROUNDS rounds
@@ -551,4 +557,4 @@ def test_the_profile_retimes_a_pass_slow_in_its_rounds_and_says_so(pair, tmp_pat
     assert prof.target_pass_s == pytest.approx([_line_curve(n) for n in prof.target_tokens])
     assert prof.target_retimed == (16,) and prof.target_retimed_from_s == pytest.approx((1.6 * _line_curve(16),))
     assert all(f.target_seconds == pytest.approx(tuple(_line_curve(n) for n in prof.target_tokens)) for f in fitted)
-    assert "the 16-token pass's median (0.0288 s) was over 15% off the line" in capsys.readouterr().out
+    assert "the 16-token pass's median (0.0288 s) was over 1.15x off the line" in capsys.readouterr().out

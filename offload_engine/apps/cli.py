@@ -626,7 +626,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for n, t in zip(prof.target_tokens, prof.target_pass_s):
         print(f"| {n} | {t:.4f} |")
     for n, was in zip(prof.target_retimed, prof.target_retimed_from_s):
-        print(f"the {n}-token pass's median ({was:.4f} s) was over {profiler.BUMP_TOLERANCE:.0%} off the line "
+        print(f"the {n}-token pass's median ({was:.4f} s) was over {1 + profiler.BUMP_TOLERANCE:g}x off the line "
               f"through its neighbours'; timed again back to back with them {profiler.BUMP_ROUNDS} times, it is "
               "taken at their median ratio to that line")
     print("| draft level width | greedy s | sampled s |\n|---:|---:|---:|")
