@@ -626,7 +626,7 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
             # fitted to the difference between two spells. By the whole ratio, however small (at
             # load, `speed_now` takes half of it: a run lasts minutes, while the steps fitted here
             # are timed within seconds of the reading)
-            r = SpeedCheck(check_readings(engine, draft=False)[0], shared["check_target_s"], None, None).target_ratio
+            r = SpeedCheck._ratio(check_readings(engine, draft=False)[0], shared["check_target_s"])
             if r is not None:
                 ts, idle_s = [t * r for t in ts], tuple(t * r for t in idle_s)
         bar.update(1 + len(TARGET_WIDTHS))
@@ -695,12 +695,10 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
     level_repeats = _Repeats(levels, first, draft.device)
     ws = sorted({w for w, _ in first})
 
-    retimed: dict[int, float] = {}  # (filled after the steps' rounds: `retime_bumps`)
-    pass_medians: dict[int, float] = {}
-
-    def bases_now() -> dict:
-        """The passes' and levels' medians so far, as the optimizer's base timings, greedy and sampled."""
-        tm = (pass_medians or pass_repeats.medians()) if pass_repeats is not None else dict(zip(ns, ts))
+    def bases_now(pass_s: dict | None = None) -> dict:
+        """The passes' and levels' medians so far (the passes: `pass_s` where given), as the
+        optimizer's base timings, greedy and sampled."""
+        tm = pass_s or (pass_repeats.medians() if pass_repeats is not None else dict(zip(ns, ts)))
         dm = level_repeats.medians()
         return {greedy: Timings(tuple(ns), tuple(accumulate((tm[n] for n in ns), max)), tuple(ws),
                                 tuple(accumulate((dm[w, greedy] for w in ws), max))) for greedy in (True, False)}
@@ -724,13 +722,14 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
     vectors = shaping_vectors(engine)
     shapes, times, ahead = _time_steps(engine, bases_now(), g, steps_budget, pairs=overlap, vectors=vectors,
                                        between=repeat_round)
-    if pass_repeats is not None:
+    retimed: dict[int, float] = {}
+    pass_medians = pass_repeats.medians() if pass_repeats is not None else None
+    if pass_medians is not None:
         # a pass off its neighbours' line timed again with them, before the step model is fitted
         # to the passes (its error would otherwise be fitted as a constant of every step)
-        pass_medians.update(pass_repeats.medians())
         retimed = retime_bumps(passes, pass_medians, device, deadline=time.perf_counter() + budget_s * 0.1)
-    bases = bases_now()
-    if pass_repeats is not None:
+    bases = bases_now(pass_medians)
+    if pass_medians is not None:
         ts = [pass_medians[n] for n in ns]
         # the waits of the same passes (the median, never more than the pass's own median)
         idle_s = tuple(min(statistics.median(idles[n]), t) for n, t in zip(ns, ts)) if executor is not None else ()
