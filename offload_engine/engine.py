@@ -913,7 +913,7 @@ class Engine:
                  "step_seconds": step_seconds,
                  "acceptance_by_rank": by_rank, "rank_evidence": evidence.as_dict(), "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
-                 "auto": None if auto is None else _auto_stats(auto, planner, self.speed_check),
+                 "auto": None if auto is None else _auto_stats(auto, planner, self.speed_check, len(new) - 1),
                  # seconds of the steps' parts (the target's pass without the draft work done in it)
                  "step_split": split,
                  "overlap": None if not decoder.overlap else {
@@ -996,13 +996,23 @@ def _tree_name(spec: TreeSpec, draft, drafter) -> str:
     return "suffix" if draft is None else f"{spec.kind}+suffix"
 
 
-def _auto_stats(auto, planner, check=None) -> dict:
+def _auto_stats(auto, planner, check=None, made: int | None = None) -> dict:
     """`stats["auto"]`: the tree the generation started with and what was predicted for it then
     (from the profile, or from what earlier generations taught the planner), the trees its steps
     used, the per-step forecast, plain decoding's predicted time as the steps measured it, and
-    the load's speed check of the profile (`profiler.SpeedCheck`; None: a profile measured then)."""
+    the load's speed check of the profile (`profiler.SpeedCheck`; None: a profile measured then).
+    `made`: the tokens the steps made (the prefill's first not counted); an answer that ended
+    sooner than planned gets the start's prediction for its own length too (`predicted_for_made`)."""
     start, log, best = planner.log.start, planner.log, auto.best_tree
     spread = log.start_spread  # (the middle 80% of what answers of the planned length measure)
+    for_made = None
+    if made is not None and made > 0 and start.length is not None and made < start.length:
+        at = planner.start_for(made)
+        if at is not None:
+            c, made_spread = at
+            for_made = {"tokens": made + 1, "seconds_per_token": c.seconds_per_token,
+                        "speedup": log.start_plain_seconds / c.seconds_per_token,
+                        "speedup_range": None if made_spread is None else list(made_spread)}
     return {"temperature": auto.temperature, "budget": start.budget, "depth": start.depth, "adapt": planner.adapt,
             "predicted_tokens_per_step": start.tokens_per_step,
             "predicted_seconds_per_token": start.seconds_per_token,
@@ -1010,6 +1020,7 @@ def _auto_stats(auto, planner, check=None) -> dict:
             "predicted_speedup": planner.log.start_plain_seconds / start.seconds_per_token,
             "predicted_speedup_range": None if spread is None else list(spread),
             "predicted_for_tokens": None if start.length is None else start.length + 1,
+            "predicted_for_made": for_made,
             "best_tree": [best.budget, best.depth], "best_tree_predicted_seconds_per_token": best.seconds_per_token,
             "adapted_plain_seconds_per_token": planner.predicted_plain(),
             "speed_check": None if check is None else check.as_dict(), **log.as_dict()}

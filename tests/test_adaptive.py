@@ -289,6 +289,58 @@ def test_plain_when_no_tree_pays_probes_and_comes_back_when_the_draft_agrees(mon
     assert back >= 7, back
 
 
+def _mixture_mean_by_integration(h: float, accepted: int, tried: int, strong: float, weak: float,
+                                 unlike: float) -> float:
+    """The posterior mean of a rate under the prior (1 - unlike) Beta(strong h, strong (1 - h)) +
+    unlike Beta(weak h, weak (1 - h)) after `accepted` of `tried`, by the midpoint rule on a
+    fine grid: the reference the estimate's closed form is held to."""
+    import math
+    import numpy as np
+    x = (np.arange(400_000) + 0.5) / 400_000
+
+    def beta(s):
+        a, b = s * h, s * (1 - h)
+        log_norm = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+        return np.exp(log_norm + (a - 1) * np.log(x) + (b - 1) * np.log1p(-x))
+    post = ((1 - unlike) * beta(strong) + unlike * beta(weak)) * x ** accepted * (1 - x) ** (tried - accepted)
+    return float((x * post).sum() / post.sum())
+
+
+@pytest.mark.parametrize("h, accepted, tried", [(0.967, 32, 34), (0.9, 0, 5), (0.967, 27, 30), (0.6, 3, 12)])
+def test_an_answer_s_prior_is_a_mixture_whose_weights_its_evidence_sets(h, accepted, tried):
+    """Within an answer the pair's hazard is a mixture prior: GEN_PRIOR's Beta (prompts agree
+    within chance, `benchmarks/prompt_spread.py`) and GEN_WEAK's with the chance GEN_UNLIKE (a
+    draft nothing like the pair's hazards). The estimate's hazard is that mixture's posterior mean,
+    as integrated numerically."""
+    est = AcceptanceEstimate(AcceptanceVector((h, (1 - h) / 2, 0.0)))
+    for k in range(tried):
+        est.observe(1, 0 if k < accepted else None)  # (a one-child node: rank 1 tried once)
+    want = _mixture_mean_by_integration(h, accepted, tried, adaptive.GEN_PRIOR, adaptive.GEN_WEAK,
+                                        adaptive.GEN_UNLIKE)
+    assert est.hazards()[0] == pytest.approx(want, abs=2e-4)
+
+
+def test_evidence_that_chance_explains_keeps_the_pair_s_hazard_and_a_draft_unlike_it_is_believed_at_once(monkeypatch):
+    """The demo's first four steps (2 rejections in 34 tries of rank 1, the pair's hazard 0.967)
+    move this answer's hazard by under 0.01; at GEN_PRIOR 16 alone (until 2026-12-07) by 0.018, and
+    14 of 15 demos left (16, 16) for smaller trees, 10% slower. Five rejections in five tries of a
+    rank the pair accepts 90% of the time take it under 0.35 at once, where GEN_PRIOR's Beta alone
+    would stay at 0.84. With GEN_WEAK equal to GEN_PRIOR the mixture is the one Beta posterior."""
+    def hazard(h, accepted, tried):
+        est = AcceptanceEstimate(AcceptanceVector((h, (1 - h) / 2, 0.0)))
+        for k in range(tried):
+            est.observe(1, 0 if k < accepted else None)
+        return est.hazards()[0]
+    assert 0.967 - hazard(0.967, 32, 34) < 0.01
+    assert hazard(0.9, 0, 5) < 0.35
+    monkeypatch.setattr(adaptive, "GEN_WEAK", adaptive.GEN_PRIOR)
+    assert hazard(0.9, 0, 5) == pytest.approx((0 + adaptive.GEN_PRIOR * 0.9) / (5 + adaptive.GEN_PRIOR), rel=1e-12)
+    assert hazard(0.9, 0, 5) > 0.8
+    monkeypatch.setattr(adaptive, "GEN_PRIOR", 16.0)
+    monkeypatch.setattr(adaptive, "GEN_WEAK", 16.0)
+    assert 0.967 - hazard(0.967, 32, 34) > 0.015
+
+
 def test_one_hard_answer_moves_the_next_ones_start_part_of_the_way_and_a_lasting_change_all_of_it():
     """Two levels: an answer's evidence sets its own trees at once, and the pair's estimate (where
     the next answer starts) LONG_RATE of the way; answer after answer of the same kind moves it

@@ -235,6 +235,51 @@ def test_the_stats_range_is_the_one_printed_at_the_start_of_the_answer(pair, fak
     assert auto["predicted_speedup_range"][0] < auto["predicted_speedup"] < auto["predicted_speedup_range"][1]
 
 
+def test_an_answer_that_ends_sooner_than_planned_gets_the_start_s_prediction_for_its_own_length(
+        pair, fake_profile, monkeypatch):
+    """An answer that ends by its end-of-sequence token before the planned length: the stats give
+    the start's tree predicted for the tokens its steps made, from the start's candidates and
+    timings (the planner refilling its candidates every step notwithstanding), with the range of
+    speed-ups such answers measure, and the stats line prints both beside the planned length's
+    (the demo's start is planned for 128 tokens; its answer ends at 67). An answer that runs to
+    the planned length has none."""
+    from offload_engine.apps.cli import _auto_summary
+    from offload_engine.planning import adaptive
+    from offload_engine.planning.auto_tree import speedup_spread
+    for name, value in (("EVERY", 1), ("REFILL_DISTANCE", 0.0), ("REPLAN_SHARE", 10.0), ("PRIOR_NODES", 1.0)):
+        monkeypatch.setattr(adaptive, name, value)
+    with _load(pair, plan_tokens=40) as eng:
+        plain = eng.generate(PROMPT, max_new_tokens=40, plain=True).token_ids
+        k = next(i for i in range(12, len(plain)) if plain[i] not in plain[:i])  # (the answer's last token)
+        plan = eng.auto_plans[0.0]
+        fresh = adaptive.OnlinePlanner(plan.vector, plan.timings, plan.candidates, True, plan.choice)
+        fresh.step_error, fresh.spell = plan.step_error, plan.spell
+        fresh.begin(39)
+        start = fresh.log.start
+        assert start.budget > 1
+        eng.eos_token_ids = frozenset({plain[k]})
+        result = eng.generate(PROMPT, max_new_tokens=40)
+        assert result.token_ids == plain[:k + 1] and result.finish_reason == "stop"
+        assert eng.planners[0.0].candidates is not plan.candidates  # (it refilled)
+        auto = result.stats["auto"]
+        made = auto["predicted_for_made"]
+        want = plan.candidates.choice(start.budget, start.depth, plan.timings, k)  # (the steps made k)
+        assert made["tokens"] == k + 1 and made["seconds_per_token"] == pytest.approx(want.seconds_per_token, rel=1e-12)
+        assert made["speedup"] == pytest.approx(plan.timings.plain() / want.seconds_per_token, rel=1e-12)
+        spread = speedup_spread(plan.candidates, want, plan.timings.plain(), k, plan.step_error, spell=plan.spell)
+        assert made["speedup_range"] == pytest.approx(list(spread), rel=1e-12)
+        # (a shorter answer's last step throws away more: it is predicted slower per token)
+        assert made["seconds_per_token"] > auto["predicted_seconds_per_token"]
+        line = _auto_summary(result.stats, auto)
+        assert f"({made['seconds_per_token']:.3f} for an answer of {k + 1} tokens)" in line
+        assert (f"for this answer's {k + 1} tokens {made['speedup']:.2f}x, 8 in 10: "
+                f"{spread[0]:.1f}-{spread[1]:.1f}x)") in line
+        eng.eos_token_ids = frozenset()
+        full = eng.generate(PROMPT, max_new_tokens=40)
+        assert full.finish_reason == "length" and full.stats["auto"]["predicted_for_made"] is None
+        assert "for this answer's" not in _auto_summary(full.stats, full.stats["auto"])
+
+
 def test_the_demo_plans_from_the_stored_vectors_and_keeps_nothing(pair, fake_profile, capsys):
     """`demo` neither reads what generate, chat and serve learned nor writes: its one canned prompt
     is no sample of the user's (planned from what the user's answers taught, the demo's easy

@@ -356,11 +356,16 @@ def _auto_summary(stats: dict, auto: dict, yardstick: tuple[float, str] | None =
     """--tree auto: the trees used, measured s/token against the prediction at the start, and the
     speed-up over plain streamed decoding as measured (plain's time as this run's steps measured
     the target) beside the one predicted at the start."""
-    from ..planning.auto_tree import spread_text
+    from ..planning.auto_tree import SPREAD_SHARE, spread_text
     decode_s = 1 / stats["decode_tokens_per_second"] if stats["decode_tokens_per_second"] else float("nan")
     start = "plain" if auto["budget"] == 1 else f"({auto['budget']},{auto['depth']})"
     text = (f"trees {auto['trees']}{' (adapting)' if auto['adapt'] else ' (--no-adapt)'}; {decode_s:.3f} s/token "
             f"measured, {auto['predicted_seconds_per_token']:.3f} predicted at the start for {start}")
+    # (an answer that ended sooner than planned: the start's prediction for its own length too,
+    # since a short answer's last step throws away more of what it accepted)
+    made = auto.get("predicted_for_made")
+    if made:
+        text += f" ({made['seconds_per_token']:.3f} for an answer of {made['tokens']} tokens)"
     if auto["adapt"] and auto["forecast_seconds_per_token"]:
         text += f", {auto['forecast_seconds_per_token']:.3f} forecast step by step"
     k = auto.get("plain_steps", 0)
@@ -372,9 +377,14 @@ def _auto_summary(stats: dict, auto: dict, yardstick: tuple[float, str] | None =
         plain, how = yardstick
     elif plain is None:
         plain, how = auto["adapted_plain_seconds_per_token"], "predicted from this run's steps"
-    return (text + f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "
-            f"{auto['predicted_speedup']:.2f}x predicted at the start"
-            f"{spread_text(auto.get('predicted_speedup_range'), auto.get('predicted_for_tokens'))})")
+    text += (f"; {plain / decode_s:.2f}x over plain streamed decoding ({plain:.3f} s/token, {how}; "
+             f"{auto['predicted_speedup']:.2f}x predicted at the start"
+             f"{spread_text(auto.get('predicted_speedup_range'), auto.get('predicted_for_tokens'))}")
+    if made:
+        low_high = made.get("speedup_range")
+        text += (f"; for this answer's {made['tokens']} tokens {made['speedup']:.2f}x"
+                 + (f", {round(SPREAD_SHARE * 10)} in 10: {low_high[0]:.1f}-{low_high[1]:.1f}x" if low_high else ""))
+    return text + ")"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -79,6 +79,7 @@ verified and measured; verification is exact for any tree, so the output is the 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import Counter, deque
@@ -94,7 +95,25 @@ from ..speculation.suffix import SuffixProposal
 
 PRIOR_NODES = 8.0  # the prior vector counts as this many observed nodes in the pair's counts (at first)
 ACCEPT_FORGET = 0.97  # per tree step within an answer: evidence 35 steps old weighs a third
-GEN_PRIOR = 16.0  # at an answer's start the pair's hazards count as this many observed nodes (fading)
+# at an answer's start the pair's hazards count as this many observed nodes (fading with the
+# answer's evidence). As a Beta prior it is worth p(1 - p) / var - 1 nodes, var the spread of the
+# first rank's acceptance from prompt to prompt: `benchmarks/prompt_spread.py` found none beyond
+# chance (tau 0 by maximum likelihood, at most 0.50-0.65 on the log-odds at 90%; self-q8 at T=0
+# and T=0.6, the default draft at T=0, 2026-12-06/07), which at the upper ends is 70-95 nodes.
+# At 16 (until 2026-12-07) two early rejections in 34 tries moved the demo's answer off (16, 16)
+# in 14 of 15 runs and made it 10% slower than keeping it (0.045 against 0.041 s/token, five runs
+# each, interleaved), and the hard first prompt of the latency benchmark's shifting set (40/42
+# at rank 1 where the others read 42/42-44/45) set its trees wandering
+GEN_PRIOR = 64.0
+# ... but a draft that an answer shows to be nothing like the pair's hazards (a stored vector
+# of another draft, a prompt in a language the draft never saw) must not take 64 nodes to be
+# believed: the answer's prior is a mixture, GEN_PRIOR's Beta with the chance 1 - GEN_UNLIKE and
+# a Beta worth GEN_WEAK nodes with the chance GEN_UNLIKE, each rank's components weighed by how
+# well they predicted the answer's evidence (their Beta-binomial likelihoods). Evidence that
+# chance explains (the demo's 2 rejections in 34 tries against a 3.3% prior) keeps the strong
+# one; 5 rejections in 5 tries of a rank the pair accepts 90% of the time turn it to the weak one
+GEN_WEAK = 2.0
+GEN_UNLIKE = 0.05
 # each answer moves the pair's hazards this much of the way to its own (the last few answers
 # weigh most). Until 2026-12-05 one estimate ran across answers, each node one observation: a
 # hard first prompt (self-q8 at T=0, 8 rejections in about 100 nodes) put the next answers on
@@ -137,6 +156,14 @@ def expected_length(ended, done: int, left: int | None) -> int | None:
         return left
     expected = max(1, int(statistics.median(longer)))
     return expected if left is None else min(left, expected)
+
+
+def _beta_binomial_log(accepted: float, tried: float, alpha: float, beta: float) -> float:
+    """log P(`accepted` of `tried` | a Beta(alpha, beta) rate), less the binomial coefficient
+    (the same for every prior, so a ratio of two needs none); fractional counts (faded evidence)
+    are taken as they are."""
+    return (math.lgamma(accepted + alpha) + math.lgamma(tried - accepted + beta) - math.lgamma(tried + alpha + beta)
+            - math.lgamma(alpha) - math.lgamma(beta) + math.lgamma(alpha + beta))
 
 
 class AcceptanceEstimate:
@@ -199,8 +226,28 @@ class AcceptanceEstimate:
         return [(a + h) / (n + 1.0) for a, n, h in zip(self.accepted, self.at_risk, self.prior_h)]
 
     def hazards(self) -> list[float]:
-        w = self.gen_prior
-        return [(ga + w * h) / (gn + w) for ga, gn, h in zip(self.gen_accepted, self.gen_at_risk, self.pair_hazards())]
+        """This answer's posterior hazards: per rank the mixture of a Beta prior at the pair's
+        hazard worth GEN_PRIOR nodes and one worth GEN_WEAK (both fading as the answer's evidence
+        does, the weak one never more than the other), weighed by their chance (1 - GEN_UNLIKE,
+        GEN_UNLIKE) times how likely each made the answer's evidence (the constants' comment)."""
+        strong = self.gen_prior
+        weak = min(strong, GEN_WEAK * strong / GEN_PRIOR)  # (both fade with the answer's evidence)
+        out = []
+        for a, n, h in zip(self.gen_accepted, self.gen_at_risk, self.pair_hazards()):
+            mean_strong = (a + strong * h) / (n + strong)
+            if n <= 0.0 or weak >= strong:
+                out.append(mean_strong)
+                continue
+            mean_weak = (a + weak * h) / (n + weak)
+            # (the weak component's posterior weight, from the log-likelihood ratio; a hazard of 0
+            # or 1 held just inside, where a Beta has no density)
+            hc = min(max(h, 1e-6), 1.0 - 1e-6)
+            lr = _beta_binomial_log(a, n, weak * hc, weak * (1 - hc)) - _beta_binomial_log(
+                a, n, strong * hc, strong * (1 - hc))
+            x = math.log(GEN_UNLIKE / (1.0 - GEN_UNLIKE)) + lr
+            p_weak = 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+            out.append((1.0 - p_weak) * mean_strong + p_weak * mean_weak)
+        return out
 
     def end_generation(self) -> None:
         """An answer's end: the pair's hazards move LONG_RATE of the way to this answer's (ranks it
@@ -599,6 +646,9 @@ class GenerationLog:
     # the middle 80% of the speed-ups answers of the planned length measure with `start`, from
     # the candidates as they were then (`auto_tree.speedup_spread`; None: plain, or a long answer)
     start_spread: tuple | None = None
+    # (the candidates and timings the start was predicted with: `OnlinePlanner.start_for` reads the
+    # same prediction for another length; a re-plan replaces the planner's, never these)
+    start_model: tuple | None = None
     trees: Counter = field(default_factory=Counter)
     predicted_seconds: float = 0.0
     predicted_tokens: float = 0.0
@@ -705,7 +755,27 @@ class OnlinePlanner:
             from .auto_tree import speedup_spread
             self.log.start_spread = speedup_spread(self.candidates, start, timings.plain(), start.length,
                                                    self.step_error, spell=self.spell)
+            self.log.start_model = (self.candidates, timings)
         return self.spec()
+
+    def start_for(self, length: int) -> tuple[Choice, tuple | None] | None:
+        """The generation's start, predicted as it was at the start (the same tree, candidates and
+        timings) for an answer whose steps make `length` tokens, and the middle of the speed-ups
+        such answers measure (`speedup_spread`): what the start's prediction says of an answer that
+        ended sooner than planned. A start predicted for 127 step tokens, read against an answer
+        that ended by its end-of-sequence token at 66, is 5% fast for the length alone (the demo's
+        (16, 16): 0.0434 s/token for 127 tokens, 0.0457 for 66; the demo's answers measured a
+        median 8% slower than that start, 2026-12-07). None: plain decoding, or no start."""
+        start, model = self.log.start, self.log.start_model
+        if model is None or start.budget == 1:
+            return None
+        cands, timings = model
+        length = max(1, int(length))
+        choice = cands.choice(start.budget, start.depth, timings, length)
+        if choice is None:
+            return None
+        from .auto_tree import speedup_spread
+        return choice, speedup_spread(cands, choice, timings.plain(), length, self.step_error, spell=self.spell)
 
     def _evaluate(self, choice: Choice, timings: Timings) -> Choice | None:
         return self.candidates.choice(choice.budget, choice.depth, timings, self.planning_length())
