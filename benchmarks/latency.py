@@ -102,8 +102,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="measure the machine's profile again before the run (the first generation is then the "
                         "first after a fresh profile)")
     p.add_argument("--modes", default=None,
-                   help="run only these modes (comma-separated names as in the table, e.g. suffix,suffix-rule); "
-                        "plain-streamed always runs")
+                   help="run only these modes (comma-separated names as in the table, e.g. suffix,suffix-rule or "
+                        "sequoia-16,16,sequoia-auto); plain-streamed always runs")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers + Accelerate row")
     p.add_argument("--separate-engines", action="store_true",
                    help="--auto-study: load an engine per mode (default: every mode but plain-control on one "
@@ -285,6 +285,21 @@ def _add(acc: dict, engine, item: dict, i: int, temperature: float, max_new_toke
             "tree_steps": a["tree_steps"]})
 
 
+def wanted_modes(text: str, names: list[str]) -> list[str]:
+    """--modes' names, comma-separated, where a name may hold commas itself ("sequoia-16,16",
+    "model-4,3"): at each place the longest run of comma-separated pieces that is a mode of the
+    run, else one piece (which the caller then reports as no mode of the run)."""
+    pieces = [p.strip() for p in text.split(",")]
+    known, out, i = set(names), [], 0
+    while i < len(pieces):
+        take = next((k for k in range(len(pieces) - i, 1, -1) if ",".join(pieces[i:i + k]) in known), 1)
+        name = ",".join(pieces[i:i + take])
+        if name:
+            out.append(name)
+        i += take
+    return out
+
+
 def paired_ratio(reference: dict, row: dict) -> float:
     """The median over prompts of the reference's s/token over the row's on the same prompt: the
     modes run prompt by prompt, interleaved, so a slow spell of a shared machine falls on a few
@@ -349,7 +364,7 @@ def run(args: argparse.Namespace) -> dict:
              else _draft_auto_modes() if draft_auto else _modes(budgets))
     if args.modes:  # a subset (the baseline always runs: every ratio is against it)
         from offload_engine.errors import UserError
-        wanted = {m.strip() for m in args.modes.split(",") if m.strip()}
+        wanted = set(wanted_modes(args.modes, [m["mode"] for m in modes]))
         unknown = wanted - {m["mode"] for m in modes}
         if unknown:
             raise UserError(f"--modes: no mode {', '.join(sorted(unknown))} in this run; its modes: "

@@ -220,6 +220,17 @@ def test_a_broken_mode_shows_as_not_equal(pair, tmp_path, monkeypatch):
         assert rows[mode]["equal_to_plain"] is False, mode
 
 
+def test_modes_takes_names_that_hold_commas():
+    """Mode names hold commas ("sequoia-16,16", "model-4,3"): --modes matched them by splitting on
+    commas and refused "sequoia-16,16" as "no mode 16, sequoia-16"."""
+    from benchmarks.latency import wanted_modes
+    names = ["plain-streamed", "sequoia-4,4", "sequoia-16,16", "sequoia-auto", "model-4,3", "hybrid-4,3", "suffix"]
+    assert wanted_modes("sequoia-16,16,sequoia-auto", names) == ["sequoia-16,16", "sequoia-auto"]
+    assert wanted_modes("sequoia-auto, sequoia-4,4", names) == ["sequoia-auto", "sequoia-4,4"]
+    assert wanted_modes("model-4,3,hybrid-4,3,suffix", names) == ["model-4,3", "hybrid-4,3", "suffix"]
+    assert wanted_modes("sequoia-16,17,suffix,", names) == ["sequoia-16", "17", "suffix"]  # (the caller reports)
+
+
 def test_modes_runs_a_subset_with_its_baseline(pair, tmp_path, monkeypatch, capsys):
     """--modes: only the modes named, and plain-streamed (every ratio's baseline); a name that is
     not a mode of the run is one error that lists them."""
