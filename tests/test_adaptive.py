@@ -22,7 +22,7 @@ import torch
 from offload_engine.planning import adaptive
 from offload_engine.planning.adaptive import AcceptanceEstimate, OnlinePlanner, TimingEstimate, describe_trees
 from offload_engine.speculation.decoder import SpeculativeDecoder, StepTimes, TreeSpec
-from sequoia_trees.acceptance import AcceptanceVector
+from sequoia_trees.acceptance import AcceptanceVector, vector_from_hazards
 from sequoia_trees.dp import TreeTable
 from sequoia_trees.optimizer import Candidates, Timings
 from sequoia_trees.sampling import SamplingParams
@@ -696,3 +696,58 @@ def test_between_answers_the_table_is_refilled_for_every_budget_not_for_the_tree
     planner.refill_rate = allowance / (100 ** 2 * planner.max_depth * planner.accept.vector().width)  # (96 fits, 128 not)
     planner.outlook(None)
     assert planner._fresh_up_to == 96, planner._fresh_up_to
+
+
+def test_an_answer_starts_from_the_pair_s_estimate_when_the_re_planning_share_is_spent():
+    """A hard answer's re-plans fill the table at its low hazards; the pair's estimate moves only
+    LONG_RATE of the way. With the re-planning share spent (a hard first prompt's re-plans on the
+    2-vCPU machine), the next answer started from that table: self-q8 at T=0 began its second
+    prompt on (8, 7), filled at 0.898 for rank 1, where the pair's 0.956 made (16, 13) best
+    (2026-12-07). Between answers the fill up to START_FILL runs whatever the share says."""
+    good, hard = AcceptanceVector((0.9, 0.05, 0.02)), AcceptanceVector((0.4, 0.2, 0.1))
+    base = _flat()
+    planner = _planner(good, base)
+    _run(planner, World(hard, base, seed=13), 30)
+    answer = vector_from_hazards(planner.accept.hazards())
+    assert sum(abs(a - b) for a, b in zip(planner._table_vector.probs, answer.probs)) <= adaptive.REFILL_DISTANCE
+    planner.finish(300, True)
+    planner.replan_seconds = 10.0 * planner.decode_seconds  # (the share spent, many times over)
+    planner.begin()
+    pair = vector_from_hazards(planner.accept.pair_hazards())
+    assert sum(abs(a - b) for a, b in zip(answer.probs, pair.probs)) > 4 * adaptive.REFILL_DISTANCE
+    assert planner._table_vector.probs == pytest.approx(pair.probs, abs=1e-12)
+    fresh = Candidates(pair, [n for n in BUDGETS if n <= adaptive.START_FILL], 12)
+    best = fresh.best(planner.timing.timings())
+    assert (planner.current.budget, planner.current.depth) == (best.budget, best.depth)
+    stale = Candidates(answer, BUDGETS, 12).best(planner.timing.timings())
+    assert (stale.budget, stale.depth) != (best.budget, best.depth)  # (the stale table chose otherwise)
+
+
+def test_a_high_acceptance_estimate_that_moves_little_in_l1_and_much_in_worth_refills_the_table():
+    """REFILL_DISTANCE is an L1 on the vector's probabilities: a draft that agrees 95% of the time
+    moves little in it and much in what its trees are worth. Rank 1 at 0.937 in the table and
+    0.956 in the estimate (self-q8 at T=0, 2026-12-07) is an L1 under 0.04, and the (8, 8) the
+    table chose makes 6% more tokens a step under the estimate, whose best tree is deeper."""
+    table = vector_from_hazards([0.937, 0.92, 1.0])
+    estimate = vector_from_hazards([0.956, 0.92, 1.0])
+    assert sum(abs(a - b) for a, b in zip(table.probs, estimate.probs)) <= adaptive.REFILL_DISTANCE
+    # (a pass that grows with its width as the 2-vCPU machine's do: 16 tokens cost twice one)
+    base = Timings(NS, tuple(0.1 * (1 + n / 16) for n in NS), (1, 16, 64), (0.02, 0.03, 0.06))
+    planner = _planner(estimate, base)
+    planner.candidates = Candidates(table, BUDGETS, 12, TreeTable(table, max(BUDGETS), 12))
+    planner._table_vector = table
+    planner.current = planner.candidates.best(base)
+    planner.decode_seconds = 1e6  # (the re-planning share is no bound here)
+    stale = (planner.current.budget, planner.current.depth)
+    planner._replan()
+    assert planner._table_vector.probs == pytest.approx(estimate.probs, abs=1e-12)
+    best = Candidates(estimate, BUDGETS, 12).best(base)
+    now = planner.candidates.best(base)  # (what the table offers now; a switch still needs HYSTERESIS)
+    assert (now.budget, now.depth) == (best.budget, best.depth) != stale
+    assert best.depth > stale[1]
+    # an estimate that moved nowhere near REFILL_VALUE of the tree's worth leaves the table be
+    planner = _planner(estimate, base)
+    kept = planner._table_vector = vector_from_hazards([0.9555, 0.92, 1.0])
+    planner.decode_seconds = 1e6
+    planner._replan()
+    assert planner._table_vector is kept

@@ -21,10 +21,13 @@ After every speculation step the planner records what the step measured:
     capture, a page-cache miss) moves nothing. Plain steps inform the target's factor.
 Every EVERY steps the planner re-chooses (budget, depth) among the optimizer's precomputed
 candidates (`optimizer.Candidates`) under the updated timings. It fills the DP table again
-only when the acceptance estimate has moved by more than REFILL_DISTANCE (L1), up to twice the
+only when the acceptance estimate has moved by more than REFILL_DISTANCE (L1) or the tree it
+weighs is worth REFILL_VALUE more or less under it (a draft that agrees 95% of the time moves
+little in L1 and much in worth), up to twice the
 current budget (the larger candidates kept as they were), and only when the refill's predicted
 cost keeps all re-planning under REPLAN_SHARE of the decoding time so far (counted across
-generations). It switches only when the new choice is predicted HYSTERESIS faster than the
+generations), but for a fill up to START_FILL between answers, which always runs: an answer
+starts from the pair's estimate. It switches only when the new choice is predicted HYSTERESIS faster than the
 current one under the same model (no flapping), but for plain decoding, taken from a tree as soon
 as it is predicted faster (a useless draft's small tree, 5% slower than plain, was kept for the
 margin; the way back to a tree needs the whole margin). When plain decoding wins, a step after
@@ -85,9 +88,11 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from sequoia_trees.acceptance import AcceptanceVector, path_evidence, tried_ranks, vector_from_hazards
 from sequoia_trees.dp import TreeTable
-from sequoia_trees.optimizer import Candidates, Choice, Timings
+from sequoia_trees.optimizer import Candidates, Choice, Timings, step_tokens_distribution
 from sequoia_trees.verify import VerifyResult
 
 from ..speculation.decoder import StepTimes, TreeSpec
@@ -142,7 +147,20 @@ LENGTH_WINDOW = 16  # answers that ended on their own whose lengths predict the 
 # and the demo's first three runs, planned for 128 tokens where they made 67)
 LENGTH_MIN = 1
 REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the DP table
+# ... or this relative change of what the tree re-planning weighs (the current one; on plain
+# decoding the best tree) is worth under the estimate against the table's vector. A draft that
+# agrees 95% of the time moves little in L1 and much in worth: self-q8 at T=0 read 0.937 for rank 1
+# in the table and 0.956 in the pair's estimate, an L1 of 0.038, and (8, 8) under the first, 10%
+# of its worth, where (16, 13) was best under the second (2026-12-07)
+REFILL_VALUE = 0.05
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
+# ... but between answers the table is always refilled up to this budget where the pair's estimate
+# moved (10-20 ms on the 2-vCPU machine; a streamed 70B pass costs seconds): an answer starts from
+# the pair's hazards, not from a table left at the last answer's worst moment. With the share spent
+# by a hard first prompt's re-plans (self-q8 at T=0, the latency benchmark's shifting set), the
+# next answer had started on (8, 7) from a table filled at 0.898 for rank 1 where the pair's
+# estimate read 0.956, for which (16, 13) was best (2026-12-07)
+START_FILL = 32
 REFILL_SECONDS_PER_UNIT = 5e-9  # a first guess of a DP refill's cost per n^2 * depth * width (measured after)
 
 
@@ -987,7 +1005,7 @@ class OnlinePlanner:
         time allowance (REPLAN_SHARE) is spent and nothing ran. `between`: answers (`_refill`)."""
         self.since_replan = 0
         allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
-        if allowance <= 0:
+        if allowance <= 0 and not between:  # (between answers the fill up to START_FILL runs whatever)
             return False
         t0 = time.perf_counter()
         self._refill(allowance, between)
@@ -1000,22 +1018,24 @@ class OnlinePlanner:
 
     def _refill(self, allowance: float, between: bool = False) -> None:
         """The DP table filled again with the estimate's vector where it moved by more than
-        REFILL_DISTANCE, when its predicted cost fits `allowance`: within an answer up to twice
+        REFILL_DISTANCE or changed the weighed tree's worth by REFILL_VALUE (`_worth_moved`), when its predicted cost fits `allowance`: within an answer up to twice
         the current budget (at least 32); `between` answers (`begin`, `outlook`) up to the widest
         budget whose fill fits, for the next answer starts afresh (the tree an answer ends on,
-        plain decoding in its last tokens, says nothing of the one the next should start on)."""
+        plain decoding in its last tokens, says nothing of the one the next should start on), and
+        up to START_FILL whatever it costs."""
         vector = self.accept.vector()
         moved = sum(abs(a - b) for a, b in zip(vector.probs, self._table_vector.probs))
-        if moved <= REFILL_DISTANCE:
+        if moved <= REFILL_DISTANCE and not self._worth_moved(vector):
             return
         def units(n: int) -> int:  # (a fill up to budget n: its predicted cost is units * refill_rate)
             return n ** 2 * self.max_depth * vector.width
-        if between:  # (the widest fill that fits, or 32 and below, which then must fit as well)
-            cap = max((n for n in self.budgets if n <= 32 or units(n) * self.refill_rate < allowance), default=0)
+        if between:  # (the widest fill that fits, or START_FILL and below, which runs whatever it costs)
+            cap = max((n for n in self.budgets if n <= START_FILL or units(n) * self.refill_rate < allowance),
+                      default=0)
         else:
             cap = max(32, 2 * self.current.budget)
         ns = [n for n in self.budgets if n <= cap]
-        if ns and units(max(ns)) * self.refill_rate < allowance:
+        if ns and (between or units(max(ns)) * self.refill_rate < allowance):
             t_fill = time.perf_counter()
             refilled = Candidates(vector, ns, self.max_depth, TreeTable(vector, max(ns), self.max_depth))
             if self.planning_length() is not None:  # (its step-token distributions too: what a length reads)
@@ -1026,15 +1046,27 @@ class OnlinePlanner:
             self._table_vector = vector
             self._fresh_up_to = max(ns) if max(ns) < max(self.budgets) else None
 
+    def _worth_moved(self, vector: AcceptanceVector) -> bool:
+        """Whether the tree re-planning weighs (the current one; on plain decoding the best tree)
+        makes REFILL_VALUE more or fewer tokens a step under `vector` than under the table's."""
+        c = self.current
+        if c.budget == 1:
+            c = self.candidates.best(self.timing.timings(), allow_plain=False, length=self.planning_length(),
+                                     max_budget=self._fresh_up_to)
+            if c.budget == 1:
+                return False
+        tree = c.tree
+        now = float(np.dot(step_tokens_distribution(tree, vector), np.arange(tree.levels + 1)))
+        then = float(np.dot(step_tokens_distribution(tree, self._table_vector), np.arange(tree.levels + 1)))
+        return abs(now - then) > REFILL_VALUE * then
+
     def outlook(self, length: int | None) -> float:
         """Between answers: plain decoding's time over the best choice's for an answer whose steps
         make `length` tokens, as this planner has learned the pair (the table refilled for the
         pair's estimate where it moved, within the re-planning allowance) and the machine (its
         timing factors): the speed-up the next answer is predicted (1.0: plain decoding wins)."""
         t0 = time.perf_counter()
-        allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
-        if allowance > 0:
-            self._refill(allowance, between=True)
+        self._refill(REPLAN_SHARE * self.decode_seconds - self.replan_seconds, between=True)
         timings = self.timing.timings()
         best = self.candidates.best(timings, length=length, max_budget=self._fresh_up_to)
         self.replan_seconds += time.perf_counter() - t0
