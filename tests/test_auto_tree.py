@@ -325,6 +325,49 @@ def test_a_speed_check_rescales_both_parts_half_the_way():
     assert spike.spell == pytest.approx(math.log(10) - k * math.log(profiler.CHECK_MAX_SCALE))
 
 
+def test_a_speed_check_splits_the_target_s_move_into_its_compute_and_its_waits():
+    """A one-token pass that waits for streamed layers (a quarter of it here) moves with the disk
+    as well as with the cores; the draft's level moves with the cores alone. The check splits the
+    pass's move: its compute as the draft's, its waits the rest. The disk slower (the pass read
+    1.4x, the draft 1.0x): the waits 2.6x, taken half believed, the narrow passes slower, a wide
+    one that does not wait as it was (every pass scaled by 1.4 ** k had put the trees' steps 16-22%
+    slow on the 2-vCPU machine, 2026-12-07). The cores slower (both 1.4x): every part 1.4x, as one
+    ratio did. No waits recorded: one ratio, as before."""
+    k = profiler.CHECK_TRUST
+    class _E:
+        folder, target_fingerprint, draft_key = "t", "fp", "dk"
+    prof = replace(_fake_profile(_E(), pass_s=0.2, draft_s=0.05), target_pass_s=(0.2, 0.22, 0.3, 0.4),
+                   target_idle_s=(0.05, 0.01, 0.0, 0.0))
+    assert profiler._wait_share(prof) == pytest.approx(0.25)
+    disk = profiler.SpeedCheck(target_now=0.28, target_then=0.2, draft_now=0.05, draft_then=0.05,
+                               wait_share=profiler._wait_share(prof))
+    compute, waits = disk.split
+    assert compute == pytest.approx(1.0) and waits == pytest.approx(2.6 ** k)
+    now = profiler.rescaled(prof, disk)
+    assert now.target_pass_s == pytest.approx([0.15 + 0.05 * 2.6 ** k, 0.21 + 0.01 * 2.6 ** k, 0.3, 0.4])
+    assert now.target_idle_s == pytest.approx([0.05 * 2.6 ** k, 0.01 * 2.6 ** k, 0.0, 0.0])
+    assert now.draft_level_s == prof.draft_level_s
+    assert disk.target == pytest.approx(now.target_pass_s[0] / 0.2)  # (the one-token pass's own scale)
+    assert "waits for streamed layers" in disk.describe() and disk.as_dict()["target_wait_scale"] == waits
+    # (the spell: the part of the one-token reading's move not taken)
+    import math
+    assert disk.spell == pytest.approx(abs(math.log(1.4) - math.log(disk.target)))
+    cores = profiler.SpeedCheck(target_now=0.28, target_then=0.2, draft_now=0.07, draft_then=0.05, wait_share=0.25)
+    assert cores.split == pytest.approx((1.4 ** k, 1.4 ** k))
+    assert profiler.rescaled(prof, cores).target_pass_s == pytest.approx([p * 1.4 ** k for p in prof.target_pass_s])
+    # the waits' ratio held within CHECK_MAX_SCALE (the pass read faster than its compute can be)
+    fast = profiler.SpeedCheck(target_now=0.1, target_then=0.2, draft_now=0.05, draft_then=0.05, wait_share=0.25)
+    assert fast.split[1] == pytest.approx((1 / profiler.CHECK_MAX_SCALE) ** k)
+    # no waits recorded, or no draft read: the one ratio, as before
+    flat = replace(prof, target_idle_s=())
+    assert profiler._wait_share(flat) is None
+    one = profiler.SpeedCheck(target_now=0.28, target_then=0.2, draft_now=0.05, draft_then=0.05, wait_share=None)
+    assert one.split is None and profiler.rescaled(flat, one).target_pass_s == pytest.approx(
+        [p * 1.4 ** k for p in prof.target_pass_s])
+    nodraft = profiler.SpeedCheck(target_now=0.28, target_then=0.2, draft_now=None, draft_then=None, wait_share=0.25)
+    assert nodraft.split is None and nodraft.target == pytest.approx(1.4 ** k)
+
+
 @pytest.mark.parametrize("first_target", [0.30, None])
 def test_the_profile_s_check_readings_are_the_median_of_one_per_round(pair, tmp_path, monkeypatch, first_target):
     """The readings a later speed check is compared with are taken like the profile's passes and
@@ -387,6 +430,9 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     check = engine.speed_check
     k = profiler.CHECK_TRUST
     assert (check.target, check.draft) == (pytest.approx(0.4 ** k), pytest.approx(0.4 ** k)) and not check.clamped
+    # (the profile's one-token pass's share of waits, for splitting a move: none for this tiny
+    # target, its layers in the page cache, so one ratio)
+    assert check.wait_share is not None and check.wait_share == profiler._wait_share(prof)
     # (a move is read twice before it is believed: `speed_now`)
     assert ran.count(("target", 1)) == ran.count(("draft", 16, True)) == 2 * (profiler.CHECK_REPEATS + 1)
     assert check.first == (pytest.approx(0.4 * prof.check_target_s), pytest.approx(0.4 * prof.check_draft_s))

@@ -252,6 +252,10 @@ def cached_or_measured(engine, budget_s: float = DEFAULT_BUDGET_S, progress: boo
 # past 20% only) 1 of the 6 was within 15% for every shape; recomputed from their recorded parts
 # with the ratios to the power 0.5 on every load, 5 were (the sixth's (16, 4) went from -13.8% to
 # -19.1%: its draft had moved 1.32x, and its check read 1.21x).
+# Where the profile's one-token pass waited for streamed layers, its move is split between its
+# compute (as the draft's level moved) and its waits (the rest), and each pass is rescaled part by
+# part (`SpeedCheck.split`): a slower disk costs plain decoding and hardly the trees' wide passes
+# (the validation of 2026-12-07: one ratio of 1.44 on every pass put the trees 16-22% slow).
 # When either ratio is beyond CHECK_TOLERANCE of 1, the readings are taken a second time and each
 # part keeps the one nearer the profile's (`speed_now`). Until 2026-12-07 the profile was rescaled
 # (whole) only past the tolerance, and kept as measured within it (on the 2-vCPU machine the same
@@ -279,6 +283,11 @@ class SpeedCheck:
     # None: read once
     first: tuple | None = None
     second: tuple | None = None  # ... and the second readings, of which the nearer were kept
+    # the profile's one-token pass's share spent waiting for streamed layers (`target_idle_s` over
+    # `target_pass_s` at one token; None: not known, or no waits): with the draft read too, the
+    # pass's move is split into its compute's (moving as the draft's levels do) and its waits'
+    # (the rest), and each part of every pass is scaled by its own (`split`)
+    wait_share: float | None = None
 
     @staticmethod
     def _ratio(now, then) -> float | None:
@@ -303,10 +312,32 @@ class SpeedCheck:
         return self._ratio(self.target_now, self.target_then)
 
     @property
+    def split(self) -> tuple[float, float] | None:
+        """(the target passes' compute scale, their waits' scale), each ratio ** CHECK_TRUST, when
+        the one-token pass's move can be split (both read, and the profile's pass waited for
+        streamed layers): its compute moves as the draft's levels do (the same cores and kernels),
+        and its waits (share w) take the rest of the reading's move, r_waits = (r_target - (1 - w)
+        r_draft) / w, held within CHECK_MAX_SCALE. A slower disk then costs the narrow passes,
+        which wait, and hardly the wide ones, which compute while the loader reads ahead (the
+        2-vCPU machine, 2026-12-07: a check read the one-token pass at 1.44x and the draft at 0.98x;
+        plain decoding measured 1.17x its profile, the trees' steps 0.99-1.04x, and every pass
+        scaled by 1.44 predicted the trees 16-22% slow). None: the one ratio for every part."""
+        r_t, r_d, w = self.target_ratio, self._ratio(self.draft_now, self.draft_then), self.wait_share
+        if r_t is None or r_d is None or not w or not 0.0 < w < 1.0:
+            return None
+        r_w = min(max((r_t - (1.0 - w) * r_d) / w, 1 / CHECK_MAX_SCALE), CHECK_MAX_SCALE)
+        return r_d ** CHECK_TRUST, r_w ** CHECK_TRUST
+
+    @property
     def target(self) -> float | None:
-        """The target passes' scale: target_ratio ** CHECK_TRUST (None: not read)."""
-        r = self.target_ratio
-        return None if r is None else r ** CHECK_TRUST
+        """The one-token target pass's scale (None: not read): target_ratio ** CHECK_TRUST, or,
+        split (`split`), its compute's and its waits' scales weighed by their shares."""
+        r, parts = self.target_ratio, self.split
+        if r is None:
+            return None
+        if parts is None:
+            return r ** CHECK_TRUST
+        return (1.0 - self.wait_share) * parts[0] + self.wait_share * parts[1]
 
     @property
     def draft(self) -> float | None:
@@ -328,9 +359,12 @@ class SpeedCheck:
         return max([0.0] + left + [abs(math.log(a / b)) for a, b in pairs])
 
     def as_dict(self) -> dict:
+        parts = self.split
         return {"target_now_s": self.target_now, "target_profile_s": self.target_then,
                 "draft_now_s": self.draft_now, "draft_profile_s": self.draft_then,
                 "target_scale": self.target, "draft_scale": self.draft, "profile_measured_at": self.measured_at,
+                "wait_share": self.wait_share, "target_compute_scale": None if parts is None else parts[0],
+                "target_wait_scale": None if parts is None else parts[1],
                 "first_reading_s": None if self.first is None else list(self.first),
                 "second_reading_s": None if self.second is None else list(self.second), "spell": self.spell}
 
@@ -347,8 +381,15 @@ class SpeedCheck:
         if self.first is not None:
             before = ", ".join(f"{x * 1e3:.1f}" for x in self.first if x is not None)
             parts[-1] += f" (read twice; the first time {before} ms: each part taken as far as both readings agree)"
-        scales = " and ".join(f"{w} {r:.2f}x" for w, r in (("target passes", self.target), ("draft levels", self.draft))
-                              if r is not None)
+        split, items = self.split, []
+        if split is not None:
+            items.append(f"target passes' compute {split[0]:.2f}x and their waits for streamed layers "
+                         f"{split[1]:.2f}x (a one-token pass {self.target:.2f}x)")
+        elif self.target is not None:
+            items.append(f"target passes {self.target:.2f}x")
+        if self.draft is not None:
+            items.append(f"draft levels {self.draft:.2f}x")
+        scales = " and ".join(items)
         tail = (f"; the profile {done}: its {scales} (the readings' ratios to the power {CHECK_TRUST:g}: a second's "
                 "reading of a machine that moves in spells; `profile --force` measures it all again)")
         if self.clamped:
@@ -366,7 +407,7 @@ def speed_now(engine, prof: MeasuredProfile, repeats: int = CHECK_REPEATS) -> Sp
         target_now, draft_now = check_readings(engine, prof.prefix_tokens, repeats,
                                                target=prof.check_target_s > 0, draft=prof.check_draft_s > 0)
         return SpeedCheck(target_now, prof.check_target_s or None, draft_now, prof.check_draft_s or None,
-                          prof.measured_at)
+                          prof.measured_at, wait_share=_wait_share(prof))
     check = read()
     if not check.moved:
         return check
@@ -413,16 +454,32 @@ def _median_of(readings) -> float | None:
     return statistics.median(taken) if taken else None
 
 
+def _wait_share(prof: MeasuredProfile) -> float | None:
+    """The profile's one-token pass's share spent waiting for streamed layers (None: no one-token
+    pass, or no waits recorded)."""
+    if not prof.target_idle_s or not prof.target_tokens or prof.target_tokens[0] != 1 or not prof.target_pass_s[0]:
+        return None
+    return min(max(prof.target_idle_s[0] / prof.target_pass_s[0], 0.0), 1.0)
+
+
 def rescaled(prof: MeasuredProfile, check: SpeedCheck) -> MeasuredProfile:
     """The profile with its target passes (and their waits for streamed layers) scaled by the
-    check's target scale and its draft levels (greedy and sampled) by its draft scale (a reading
-    not taken: that part as measured). The step model's fitted constants (per step,
-    per node, the plain step's) and the overlap's shares are kept: they are small beside the
-    passes and levels, and a ratio is no better a guess for them than 1."""
+    check's target scale, or, where the check splits it (`SpeedCheck.split`), each pass's compute
+    (its time less its waits) by the compute's scale and its waits by theirs; its draft levels
+    (greedy and sampled) by the draft scale (a reading not taken: that part as measured). The
+    step model's fitted constants (per step, per node, the plain step's) and the overlap's shares
+    are kept: they are small beside the passes and levels, and a ratio is no better a guess for
+    them than 1."""
     def scale(values, r):
         return tuple(v * r for v in values) if r is not None else tuple(values)
-    return replace(prof, target_pass_s=scale(prof.target_pass_s, check.target),
-                   target_idle_s=scale(prof.target_idle_s, check.target),
+    parts = check.split
+    if parts is not None and len(prof.target_idle_s) == len(prof.target_pass_s):
+        compute, waits = parts
+        passes = tuple((p - i) * compute + i * waits for p, i in zip(prof.target_pass_s, prof.target_idle_s))
+        idle = scale(prof.target_idle_s, waits)
+    else:
+        passes, idle = scale(prof.target_pass_s, check.target), scale(prof.target_idle_s, check.target)
+    return replace(prof, target_pass_s=passes, target_idle_s=idle,
                    draft_level_s=scale(prof.draft_level_s, check.draft),
                    draft_level_greedy_s=scale(prof.draft_level_greedy_s, check.draft))
 
