@@ -703,7 +703,8 @@ def test_an_answer_starts_from_the_pair_s_estimate_when_the_re_planning_share_is
     LONG_RATE of the way. With the re-planning share spent (a hard first prompt's re-plans on the
     2-vCPU machine), the next answer started from that table: self-q8 at T=0 began its second
     prompt on (8, 7), filled at 0.898 for rank 1, where the pair's 0.956 made (16, 13) best
-    (2026-12-07). Between answers the fill up to START_FILL runs whatever the share says."""
+    (2026-12-07). Between answers the fill up to START_FILL, or the last answer's start budget if
+    wider, runs whatever the share says."""
     good, hard = AcceptanceVector((0.9, 0.05, 0.02)), AcceptanceVector((0.4, 0.2, 0.1))
     base = _flat()
     planner = _planner(good, base)
@@ -711,16 +712,27 @@ def test_an_answer_starts_from_the_pair_s_estimate_when_the_re_planning_share_is
     answer = vector_from_hazards(planner.accept.hazards())
     assert sum(abs(a - b) for a, b in zip(planner._table_vector.probs, answer.probs)) <= adaptive.REFILL_DISTANCE
     planner.finish(300, True)
+    forced = max(adaptive.START_FILL, planner.start_budget)  # (the fill that runs whatever it costs)
     planner.replan_seconds = 10.0 * planner.decode_seconds  # (the share spent, many times over)
     planner.begin()
     pair = vector_from_hazards(planner.accept.pair_hazards())
     assert sum(abs(a - b) for a, b in zip(answer.probs, pair.probs)) > 4 * adaptive.REFILL_DISTANCE
     assert planner._table_vector.probs == pytest.approx(pair.probs, abs=1e-12)
-    fresh = Candidates(pair, [n for n in BUDGETS if n <= adaptive.START_FILL], 12)
+    assert planner._fresh_up_to == forced
+    fresh = Candidates(pair, [n for n in BUDGETS if n <= forced], 12)
     best = fresh.best(planner.timing.timings())
     assert (planner.current.budget, planner.current.depth) == (best.budget, best.depth)
     stale = Candidates(answer, BUDGETS, 12).best(planner.timing.timings())
     assert (stale.budget, stale.depth) != (best.budget, best.depth)  # (the stale table chose otherwise)
+    # the forced fill reaches the last answer's start budget where that is wider than START_FILL
+    # (a spent share must not take the trees an answer started on out of the next one's choice)
+    planner.finish(300, True)
+    _run(planner, World(hard, base, seed=14), 30)
+    planner.finish(300, True)
+    planner.replan_seconds = 10.0 * planner.decode_seconds
+    planner.start_budget = 96
+    planner.begin()
+    assert planner._fresh_up_to == 96
 
 
 def test_a_high_acceptance_estimate_that_moves_little_in_l1_and_much_in_worth_refills_the_table():
@@ -742,7 +754,8 @@ def test_a_high_acceptance_estimate_that_moves_little_in_l1_and_much_in_worth_re
     planner._replan()
     assert planner._table_vector.probs == pytest.approx(estimate.probs, abs=1e-12)
     best = Candidates(estimate, BUDGETS, 12).best(base)
-    now = planner.candidates.best(base)  # (what the table offers now; a switch still needs HYSTERESIS)
+    # (what the table offers now, among what a re-plan compares; a switch still needs HYSTERESIS)
+    now = planner.candidates.best(base, max_budget=planner._fresh_up_to)
     assert (now.budget, now.depth) == (best.budget, best.depth) != stale
     assert best.depth > stale[1]
     # an estimate that moved nowhere near REFILL_VALUE of the tree's worth leaves the table be

@@ -355,9 +355,13 @@ def test_a_speed_check_splits_the_target_s_move_into_its_compute_and_its_waits()
     cores = profiler.SpeedCheck(target_now=0.28, target_then=0.2, draft_now=0.07, draft_then=0.05, wait_share=0.25)
     assert cores.split == pytest.approx((1.4 ** k, 1.4 ** k))
     assert profiler.rescaled(prof, cores).target_pass_s == pytest.approx([p * 1.4 ** k for p in prof.target_pass_s])
-    # the waits' ratio held within CHECK_MAX_SCALE (the pass read faster than its compute can be)
+    # a split that does not fit (the pass read faster than its compute alone can be: r_waits -1),
+    # or waits too small a share to split (the readings' noise times 1 / w): the one ratio
     fast = profiler.SpeedCheck(target_now=0.1, target_then=0.2, draft_now=0.05, draft_then=0.05, wait_share=0.25)
-    assert fast.split[1] == pytest.approx((1 / profiler.CHECK_MAX_SCALE) ** k)
+    assert fast.split is None and fast.target == pytest.approx(0.5 ** k)
+    small = profiler.SpeedCheck(target_now=0.208, target_then=0.2, draft_now=0.05, draft_then=0.05,
+                                wait_share=0.5 * profiler.SPLIT_MIN_SHARE)  # (r_waits 1.8 would fit)
+    assert small.split is None and small.target == pytest.approx(1.04 ** k)
     # no waits recorded, or no draft read: the one ratio, as before
     flat = replace(prof, target_idle_s=())
     assert profiler._wait_share(flat) is None
@@ -433,6 +437,7 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     # (the profile's one-token pass's share of waits, for splitting a move: none for this tiny
     # target, its layers in the page cache, so one ratio)
     assert check.wait_share is not None and check.wait_share == profiler._wait_share(prof)
+    assert check.split is None
     # (a move is read twice before it is believed: `speed_now`)
     assert ran.count(("target", 1)) == ran.count(("draft", 16, True)) == 2 * (profiler.CHECK_REPEATS + 1)
     assert check.first == (pytest.approx(0.4 * prof.check_target_s), pytest.approx(0.4 * prof.check_draft_s))

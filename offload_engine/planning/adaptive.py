@@ -154,8 +154,9 @@ REFILL_DISTANCE = 0.04  # L1 change of the acceptance estimate that refills the 
 # of its worth, where (16, 13) was best under the second (2026-12-07)
 REFILL_VALUE = 0.05
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
-# ... but between answers the table is always refilled up to this budget where the pair's estimate
-# moved (10-20 ms on the 2-vCPU machine; a streamed 70B pass costs seconds): an answer starts from
+# ... but between answers the table is always refilled up to this budget (or the last answer's
+# first tree's, if wider) where the pair's estimate moved (10-20 ms on the 2-vCPU machine up to
+# 32; a streamed 70B pass costs seconds): an answer starts from
 # the pair's hazards, not from a table left at the last answer's worst moment. With the share spent
 # by a hard first prompt's re-plans (self-q8 at T=0, the latency benchmark's shifting set), the
 # next answer had started on (8, 7) from a table filled at 0.898 for rank 1 where the pair's
@@ -735,6 +736,7 @@ class OnlinePlanner:
         self.step_error = 0.0  # the profile's cross-validated step error (the printed range's timing part)
         self.spell = 0.0  # ... and the machine's uncorrected wander from the profile (`SpeedCheck.spell`)
         self.log = GenerationLog(self.current, base.plain())
+        self.start_budget = self.current.budget  # the last answer's first tree's (`_refill`)
 
     @property
     def max_nodes(self) -> int:
@@ -764,10 +766,11 @@ class OnlinePlanner:
             # (an answer cut off before `finish` counts once; the new one starts from the pair's
             # hazards, the table refilled where they moved)
             self.accept.end_generation()
-            if not self._replan(between=True):
-                self._rechoose(timings)
+            self._replan(between=True)  # (between answers it always runs: `_refill`)
         start = self._evaluate(self._next(), timings)
         begun, self.log = self.log, GenerationLog(start, timings.plain())
+        if start is not None:
+            self.start_budget = start.budget
         self.log.replans, self.log.replan_seconds = begun.replans, begun.replan_seconds
         if start is not None:  # (before a re-plan can refill the candidates the range is read from)
             from .auto_tree import speedup_spread
@@ -1002,7 +1005,8 @@ class OnlinePlanner:
 
     def _replan(self, between: bool = False) -> bool:
         """Refill the table if the estimate moved, and re-choose; False when the re-planning
-        time allowance (REPLAN_SHARE) is spent and nothing ran. `between`: answers (`_refill`)."""
+        time allowance (REPLAN_SHARE) is spent and nothing ran (within an answer: `between`
+        answers it always runs, `_refill`)."""
         self.since_replan = 0
         allowance = REPLAN_SHARE * self.decode_seconds - self.replan_seconds
         if allowance <= 0 and not between:  # (between answers the fill up to START_FILL runs whatever)
@@ -1018,19 +1022,22 @@ class OnlinePlanner:
 
     def _refill(self, allowance: float, between: bool = False) -> None:
         """The DP table filled again with the estimate's vector where it moved by more than
-        REFILL_DISTANCE or changed the weighed tree's worth by REFILL_VALUE (`_worth_moved`), when its predicted cost fits `allowance`: within an answer up to twice
-        the current budget (at least 32); `between` answers (`begin`, `outlook`) up to the widest
-        budget whose fill fits, for the next answer starts afresh (the tree an answer ends on,
-        plain decoding in its last tokens, says nothing of the one the next should start on), and
-        up to START_FILL whatever it costs."""
+        REFILL_DISTANCE or changed the weighed tree's worth by REFILL_VALUE (`_worth_moved`),
+        when its predicted cost fits `allowance`: within an answer up to twice the current budget
+        (at least 32); `between` answers (`begin`, `outlook`) up to the widest budget whose fill
+        fits, for the next answer starts afresh (the tree an answer ends on, plain decoding in its
+        last tokens, says nothing of the one the next should start on), and whatever it costs up
+        to START_FILL or the last answer's start budget, if wider (so that a spent share does not
+        take the trees an answer started on out of the next one's choice)."""
         vector = self.accept.vector()
         moved = sum(abs(a - b) for a, b in zip(vector.probs, self._table_vector.probs))
         if moved <= REFILL_DISTANCE and not self._worth_moved(vector):
             return
         def units(n: int) -> int:  # (a fill up to budget n: its predicted cost is units * refill_rate)
             return n ** 2 * self.max_depth * vector.width
-        if between:  # (the widest fill that fits, or START_FILL and below, which runs whatever it costs)
-            cap = max((n for n in self.budgets if n <= START_FILL or units(n) * self.refill_rate < allowance),
+        if between:  # (the widest fill that fits, or the forced one, which runs whatever it costs)
+            forced = max(START_FILL, self.start_budget)
+            cap = max((n for n in self.budgets if n <= forced or units(n) * self.refill_rate < allowance),
                       default=0)
         else:
             cap = max(32, 2 * self.current.budget)

@@ -269,6 +269,7 @@ CHECK_MAX_PASS_S = 0.5
 CHECK_TOLERANCE = 0.20
 CHECK_MAX_SCALE = 3.0
 CHECK_TRUST = 0.5
+SPLIT_MIN_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ class SpeedCheck:
     first: tuple | None = None
     second: tuple | None = None  # ... and the second readings, of which the nearer were kept
     # the profile's one-token pass's share spent waiting for streamed layers (`target_idle_s` over
-    # `target_pass_s` at one token; None: not known, or no waits): with the draft read too, the
+    # `target_pass_s` at one token; None: not known; 0: no waits): with the draft read too, the
     # pass's move is split into its compute's (moving as the draft's levels do) and its waits'
     # (the rest), and each part of every pass is scaled by its own (`split`)
     wait_share: float | None = None
@@ -321,11 +322,17 @@ class SpeedCheck:
         which wait, and hardly the wide ones, which compute while the loader reads ahead (the
         2-vCPU machine, 2026-12-07: a check read the one-token pass at 1.44x and the draft at 0.98x;
         plain decoding measured 1.17x its profile, the trees' steps 0.99-1.04x, and every pass
-        scaled by 1.44 predicted the trees 16-22% slow). None: the one ratio for every part."""
+        scaled by 1.44 predicted the trees 16-22% slow). None: the one ratio for every part, also
+        where the waits are under SPLIT_MIN_SHARE of the pass (the readings' noise is multiplied by
+        1 / w in r_waits) or the split does not fit (r_waits past CHECK_MAX_SCALE either way: the
+        readings disagree more than a split explains, and holding r_waits there would leave the
+        pass's own reading mostly unused)."""
         r_t, r_d, w = self.target_ratio, self._ratio(self.draft_now, self.draft_then), self.wait_share
-        if r_t is None or r_d is None or not w or not 0.0 < w < 1.0:
+        if r_t is None or r_d is None or w is None or not SPLIT_MIN_SHARE <= w < 1.0:
             return None
-        r_w = min(max((r_t - (1.0 - w) * r_d) / w, 1 / CHECK_MAX_SCALE), CHECK_MAX_SCALE)
+        r_w = (r_t - (1.0 - w) * r_d) / w
+        if not 1 / CHECK_MAX_SCALE <= r_w <= CHECK_MAX_SCALE:
+            return None
         return r_d ** CHECK_TRUST, r_w ** CHECK_TRUST
 
     @property
@@ -456,7 +463,7 @@ def _median_of(readings) -> float | None:
 
 def _wait_share(prof: MeasuredProfile) -> float | None:
     """The profile's one-token pass's share spent waiting for streamed layers (None: no one-token
-    pass, or no waits recorded)."""
+    pass, or no waits recorded; 0: it did not wait)."""
     if not prof.target_idle_s or not prof.target_tokens or prof.target_tokens[0] != 1 or not prof.target_pass_s[0]:
         return None
     return min(max(prof.target_idle_s[0] / prof.target_pass_s[0], 0.0), 1.0)
@@ -682,7 +689,8 @@ def measure(engine, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
             # check reading taken again scales it to this one, so that the step model is not
             # fitted to the difference between two spells. By the whole ratio, however small (at
             # load, `speed_now` takes half of it: a run lasts minutes, while the steps fitted here
-            # are timed within seconds of the reading)
+            # are timed within seconds of the reading). One ratio for every width: the other draft's
+            # level has no reading of that spell to split the pass's move with (`SpeedCheck.split`)
             r = SpeedCheck._ratio(check_readings(engine, draft=False)[0], shared["check_target_s"])
             if r is not None:
                 ts, idle_s = [t * r for t in ts], tuple(t * r for t in idle_s)
