@@ -23,14 +23,14 @@ Every EVERY steps the planner re-chooses (budget, depth) among the optimizer's p
 candidates (`optimizer.Candidates`) under the updated timings. It fills the DP table again
 only when the acceptance estimate has moved by more than REFILL_DISTANCE (L1) or the tree it
 weighs is worth REFILL_VALUE more or less under it (a draft that agrees 95% of the time moves
-little in L1 and much in worth), up to twice the
-current budget (the larger candidates kept as they were), and only when the refill's predicted
-cost keeps all re-planning under REPLAN_SHARE of the decoding time so far (counted across
-generations), but for a fill up to START_FILL between answers, which always runs: an answer
-starts from the pair's estimate. It switches only when the new choice is predicted HYSTERESIS faster than the
-current one under the same model (no flapping), but for plain decoding, taken from a tree as soon
-as it is predicted faster (a useless draft's small tree, 5% slower than plain, was kept for the
-margin; the way back to a tree needs the whole margin). When plain decoding wins, a step after
+little in L1 and much in worth), up to twice the current budget (the larger candidates kept as
+they were), and only when the refill's predicted cost keeps all re-planning under REPLAN_SHARE
+of the decoding time so far (counted across generations), but for a fill up to START_FILL
+between answers, which always runs: an answer starts from the pair's estimate. It switches only
+when the new choice is predicted HYSTERESIS faster than the current one under the same model (no
+flapping), but for plain decoding, taken from a tree as soon as it is predicted faster (a useless
+draft's small tree, 5% slower than plain, was kept for the margin; the way back to a tree needs
+the whole margin). When plain decoding wins, a step after
 PROBE_EVERY plain ones runs the best tree anyway, so that the evidence that would bring the
 tree back keeps coming; each probe after which plain decoding stays chosen doubles the wait (up
 to PROBE_MAX steps), so that a draft that does not pay costs little. The other way round, while
@@ -88,11 +88,9 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from sequoia_trees.acceptance import AcceptanceVector, path_evidence, tried_ranks, vector_from_hazards
-from sequoia_trees.dp import TreeTable
-from sequoia_trees.optimizer import Candidates, Choice, Timings, step_tokens_distribution
+from sequoia_trees.dp import TreeTable, tree_value
+from sequoia_trees.optimizer import Candidates, Choice, Timings
 from sequoia_trees.verify import VerifyResult
 
 from ..speculation.decoder import StepTimes, TreeSpec
@@ -156,8 +154,8 @@ REFILL_VALUE = 0.05
 REPLAN_SHARE = 0.03  # of the decoding time, at most, spent re-planning
 # ... but between answers the table is always refilled up to this budget (or the last answer's
 # first tree's, if wider) where the pair's estimate moved (10-20 ms on the 2-vCPU machine up to
-# 32; a streamed 70B pass costs seconds): an answer starts from
-# the pair's hazards, not from a table left at the last answer's worst moment. With the share spent
+# 32; a streamed 70B pass costs seconds): an answer starts from the pair's hazards, not from a
+# table left at the last answer's worst moment. With the share spent
 # by a hard first prompt's re-plans (self-q8 at T=0, the latency benchmark's shifting set), the
 # next answer had started on (8, 7) from a table filled at 0.898 for rank 1 where the pair's
 # estimate read 0.956, for which (16, 13) was best (2026-12-07)
@@ -769,10 +767,9 @@ class OnlinePlanner:
             self._replan(between=True)  # (between answers it always runs: `_refill`)
         start = self._evaluate(self._next(), timings)
         begun, self.log = self.log, GenerationLog(start, timings.plain())
-        if start is not None:
-            self.start_budget = start.budget
         self.log.replans, self.log.replan_seconds = begun.replans, begun.replan_seconds
         if start is not None:  # (before a re-plan can refill the candidates the range is read from)
+            self.start_budget = start.budget
             from .auto_tree import speedup_spread
             self.log.start_spread = speedup_spread(self.candidates, start, timings.plain(), start.length,
                                                    self.step_error, spell=self.spell)
@@ -1062,9 +1059,7 @@ class OnlinePlanner:
                                      max_budget=self._fresh_up_to)
             if c.budget == 1:
                 return False
-        tree = c.tree
-        now = float(np.dot(step_tokens_distribution(tree, vector), np.arange(tree.levels + 1)))
-        then = float(np.dot(step_tokens_distribution(tree, self._table_vector), np.arange(tree.levels + 1)))
+        now, then = tree_value(c.tree, vector), tree_value(c.tree, self._table_vector)
         return abs(now - then) > REFILL_VALUE * then
 
     def outlook(self, length: int | None) -> float:
