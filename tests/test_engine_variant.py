@@ -77,14 +77,18 @@ def test_variants_set_overlap_as_load_would(target, tmp_path, monkeypatch):
     target = make_tiny_checkpoint(tmp_path / "t6", "llama3-gqa", layers=6, seed=5, init_std=0.05)
     fill = streamer.LayerExecutor._fill
 
-    def slow(self, *args):  # (every layer waited for: the waits take draft work)
-        time.sleep(0.003)
+    # (every layer waited for, so that the waits take draft work: two buffers, so that the loader
+    # cannot hold the whole model ahead of the passes, and fills 20 ms slower. With the CPU's six
+    # buffers and 3 ms, a CI run on 2026-12-07 and 1 of 2 local runs grew nothing, 0 hits + 0
+    # misses, and under two busy loops 3 of 3; with these, 7 of 7 and 3 of 3)
+    def slow(self, *args):
+        time.sleep(0.02)
         return fill(self, *args)
     monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
     with Engine.load(target, offload="disk", progress=False) as lone:
         plain_ids = _gen(lone).token_ids
     with Engine.load(target, draft="self-q8", tree="sequoia", tree_budget=4, tree_depth=3, offload="disk",
-                     overlap="off", progress=False) as base:
+                     buffers=2, overlap="off", progress=False) as base:
         # (every unit runs until its layer is in: the CPU's fit rule, which holds a unit back when
         # it is not counted on to end in time, held every one in a slow CI run and grew nothing;
         # it is tests/test_overlap_gate.py's business)
