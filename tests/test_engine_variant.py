@@ -3,16 +3,14 @@ modes on). Each variant decodes as an engine loaded with its configuration would
 equals plain decoding, the sampled output equals a separately loaded engine's for the same seed,
 its tree and planners are its own, and closing it leaves the base engine working."""
 
-import time
 
 import pytest
 
 import offload_engine.planning.profiler as profiler
-from offload_engine.runtime import streamer
 from offload_engine import Engine
 from offload_engine.errors import UserError
 from test_auto_tree import _fake_profile
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, slow_fills
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +73,11 @@ def test_variants_set_overlap_as_load_would(target, tmp_path, monkeypatch):
     greedy output equals plain decoding's in each; a bad value is refused by name."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     target = make_tiny_checkpoint(tmp_path / "t6", "llama3-gqa", layers=6, seed=5, init_std=0.05)
-    fill = streamer.LayerExecutor._fill
-
     # (every layer waited for, so that the waits take draft work: two buffers, so that the loader
     # cannot hold the whole model ahead of the passes, and fills 20 ms slower. With the CPU's six
     # buffers and 3 ms, a CI run on 2026-12-07 and 1 of 2 local runs grew nothing, 0 hits + 0
     # misses, and under two busy loops 3 of 3; with these, 7 of 7 and 3 of 3)
-    def slow(self, *args):
-        time.sleep(0.02)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    slow_fills(monkeypatch, 0.02)
     with Engine.load(target, offload="disk", progress=False) as lone:
         plain_ids = _gen(lone).token_ids
     with Engine.load(target, draft="self-q8", tree="sequoia", tree_budget=4, tree_depth=3, offload="disk",

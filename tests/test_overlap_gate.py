@@ -18,7 +18,7 @@ from offload_engine.runtime.layer_store import LayerLayout
 from offload_engine.runtime.loader import OffloadOptions, load_target
 from offload_engine.runtime.placement import fixed_parts, make_plan
 from offload_engine.speculation.decoder import SpeculativeDecoder
-from tiny_models import greedy_past_eos, make_tiny_checkpoint
+from tiny_models import greedy_past_eos, make_tiny_checkpoint, slow_fills
 
 LAYERS = 8
 FILL_S = 0.02  # a layer's fill, slowed: the passes wait for every layer
@@ -43,16 +43,6 @@ def _streamed(ckpt, tmp_path, buffers, ram_layers=0):
     assert plan.buffers == buffers and len(plan.disk_layers) == LAYERS - ram_layers, plan
     return load_target(c, torch.float32, torch.device("cpu"), plan,
                        OffloadOptions(offload, buffers=buffers, store_root=tmp_path), progress=False)
-
-
-def _slow_fills(monkeypatch, seconds=FILL_S):
-    """Every layer's fill takes `seconds` more: the passes wait for every layer."""
-    fill = streamer.LayerExecutor._fill
-
-    def slow(self, *args):
-        time.sleep(seconds)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
 
 
 def _pass(model, idle) -> tuple[float, float]:
@@ -102,10 +92,11 @@ def test_the_overrun_is_what_the_wait_work_added_to_the_pass(ckpt, tmp_path, mon
     overrun 27 ms) outlasts each wait: with one buffer the pass is longer by the overrun (the loader
     cannot fill ahead while the layer in hand waits for the work); with two, the loader fills the
     next buffer meanwhile and hides part of it, and the overrun is an upper bound. Thresholds:
-    10-15 ms and a tenth of the overrun for timing on a busy 2-core machine (a unit's length
-    varies with it; measured: lengthened by 84, 132 and 133 ms where the overrun read 90, 135
-    and 140). Work that runs out before the layer is in adds nothing."""
-    _slow_fills(monkeypatch)
+    10-15 ms and a tenth of the overrun for timing on a busy 2-core machine (measured with units
+    by the clock, one buffer: lengthened by 140, 132 and 139 ms where the overrun read 144, 143
+    and 146; with counted units, 84, 132 and 133 against 90, 135 and 140). Work that runs out
+    before the layer is in adds nothing."""
+    slow_fills(monkeypatch, FILL_S)
     model = _streamed(ckpt, tmp_path, buffers)
     model.layers.fit_units = False  # (the overrun as such: without the rule that holds long units back)
     try:
@@ -143,7 +134,7 @@ def test_the_fit_rule_starts_only_units_that_end_before_the_layer_is_in(ckpt, tm
     unfitted one and under 1 ms a waited layer; the fitted pass within 10 ms of the pass without
     work; the fitted work at least 40% of the unfitted work and 10 ms a waited layer. Each kind's
     medians over 5 interleaved rounds."""
-    _slow_fills(monkeypatch)
+    slow_fills(monkeypatch, FILL_S)
     model = _streamed(ckpt, tmp_path, 1)
     layers = model.layers
     unit = _timed_worker(0.015)
@@ -189,7 +180,7 @@ def test_the_next_waits_slack_takes_more_work_and_keeps_the_pass(ckpt, tmp_path,
     unit may run while the rule learns), with the slack at least two units' worth and an overrun
     of at least 2 ms a waited layer; 60 ms: the work with the slack under 10 ms and the unfitted
     pass at least 40 ms longer than without work. Each kind's medians over 5 interleaved rounds."""
-    _slow_fills(monkeypatch)
+    slow_fills(monkeypatch, FILL_S)
     model = _streamed(ckpt, tmp_path, 2)
     layers = model.layers
     def unit():
@@ -360,7 +351,7 @@ def test_a_gate_stops_growing_trees_whose_case_never_comes_and_output_stays_plai
     again after GROW_REST, growing nothing while it rests; output equals plain greedy's, with the
     gate and with `--overlap on` (which grows in every step)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    _slow_fills(monkeypatch, 0.01)
+    slow_fills(monkeypatch, 0.01)
     plain = greedy_past_eos(ckpt, PROMPT, 64)[0].token_ids
     monkeypatch.setattr(SpeculativeDecoder, "_case_came", staticmethod(lambda job, last, result: False))
     kw = dict(tree="sequoia", draft="self-q8", draft_group_size=32, offload="disk", buffers=2, tree_budget=4,
@@ -438,7 +429,7 @@ def test_calls_with_nothing_to_do_are_not_timed_and_idle_is_not_asked_again_in_t
     (False at once) is asked once and not timed. Before, every later wait asked again and timed
     its microseconds, which made the units look short to the fit rule (the 75th percentile of 16
     durations, a third of them near 0) and let too-long units through."""
-    _slow_fills(monkeypatch)
+    slow_fills(monkeypatch, FILL_S)
     model = _streamed(ckpt, tmp_path, 1)
     layers = model.layers
     layers.fit_units = False  # (every unit runs until its layer is in: the calls do not depend on timing)
@@ -485,7 +476,7 @@ def test_a_rule_that_held_long_units_back_takes_short_ones_again(ckpt, tmp_path,
     their last pass; in the last two of 4 passes of short units, at least 20 ms of work each
     (6 waits of about 20 ms; measured: 112 ms in each of the 4, a probe during the long units'
     passes having just forgotten them; with the probe taken out, none)."""
-    _slow_fills(monkeypatch)
+    slow_fills(monkeypatch, FILL_S)
     monkeypatch.setattr(streamer, "FIT_PROBE", 4)
     monkeypatch.setattr(streamer, "FIT_PROBE_MAX", 8)
     model = _streamed(ckpt, tmp_path, 1)

@@ -6,7 +6,6 @@ step the shared cache holds exactly the target's K/V of the committed text; and 
 ahead is the tree the next step would have grown. (The sampled distribution with a shared cache
 and trees grown ahead: tests/test_speculative_distribution.py.)"""
 
-import time
 
 import pytest
 import torch
@@ -14,13 +13,12 @@ import torch
 from offload_engine import Engine
 from offload_engine.engine import plan_only
 from offload_engine.formats.config import load_config
-from offload_engine.runtime import streamer
 from offload_engine.runtime.quant import QuantizedLinear
 from offload_engine.speculation import decoder as decoder_module
 from offload_engine.speculation.decoder import SpeculativeDecoder
 from offload_engine.speculation.drafts import head_bytes, substitute_layer_bytes
 from sequoia_trees.sampling import SamplingParams
-from tiny_models import greedy_past_eos, make_tiny_checkpoint
+from tiny_models import greedy_past_eos, make_tiny_checkpoint, slow_fills
 
 PROMPT = "The capital of France is"
 LAYERS = 8
@@ -36,12 +34,7 @@ def target(tmp_path_factory):
 def slow_disk(monkeypatch):
     """Every layer fill takes 10 ms more, so that a pass waits for its layers (a tiny model's
     layers otherwise arrive before they are wanted, and nothing is grown ahead)."""
-    fill = streamer.LayerExecutor._fill
-
-    def slow(self, *args):
-        time.sleep(0.01)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    slow_fills(monkeypatch, 0.01)
 
 
 def _budget_for(target, resident: int) -> int:
@@ -223,12 +216,7 @@ def test_the_profile_measures_the_pass_waits_and_the_overlap_used(target, tmp_pa
     come) and at most 1. The step model then predicts less draft time before each pass."""
     from offload_engine.planning import profiler
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    fill = streamer.LayerExecutor._fill
-
-    def slow(self, *args):  # 25 ms a layer: the passes wait whatever else the machine runs
-        time.sleep(0.025)
-        return fill(self, *args)
-    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
+    slow_fills(monkeypatch, 0.025)  # 25 ms a layer: the passes wait whatever else the machine runs
     engine = Engine.load(target, draft="self-q4", draft_group_size=32, offload="disk", buffers=2, tree="sequoia",
                          tree_budget=8, tree_depth=3, max_batch_tokens=64, progress=False)
     try:

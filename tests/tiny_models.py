@@ -118,3 +118,17 @@ def greedy_past_eos(folder, prompt: str, max_new_tokens: int, **load_kw):
         return engine.generate(prompt, max_new_tokens=max_new_tokens), engine
     finally:
         engine.close()
+
+
+def slow_fills(monkeypatch, seconds: float) -> None:
+    """Every layer fill of the streaming executor takes `seconds` more (a sleep before the real
+    fill), so that a pass waits for its layers: a tiny model's otherwise arrive before they are
+    wanted, and nothing is grown in the waits."""
+    import time
+    from offload_engine.runtime import streamer
+    fill = streamer.LayerExecutor._fill
+
+    def slow(self, *args):
+        time.sleep(seconds)
+        return fill(self, *args)
+    monkeypatch.setattr(streamer.LayerExecutor, "_fill", slow)
