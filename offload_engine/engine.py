@@ -278,6 +278,7 @@ class Engine:
         self._load_args: dict = {}  # what a draft switch rebuilds a draft and its plans with
         # --tree auto with a cached profile: its readings timed again at load (profiler.SpeedCheck)
         self.speed_check = None
+        self.step_check = None  # (`_plan_auto`: real steps of the chosen tree timed at load)
         # --tree auto: request temperature -> adaptive.OnlinePlanner (what it learned carries over)
         self.planners: dict = {}
         self.adapt = True  # --tree auto re-chooses the tree as it measures (False: --no-adapt)
@@ -510,6 +511,20 @@ class Engine:
             if self.speed_check is not None:  # (the printed range: `auto_tree.speedup_spread`)
                 plan = replace(plan, spell=self.speed_check.spell)
             self.auto_plans[t] = plan
+        # real steps of the chosen tree timed now, in the spell the answers will run in, against
+        # the (rescaled) profile's step model: every plan's trees rescaled part by part and chosen
+        # again (`profiler.step_check`; not for a profile measured in this run: its steps were)
+        self.step_check = None
+        if self.speed_check is not None:
+            first = sorted(self.auto_plans.items(), key=lambda kv: (kv[1].choice.budget == 1, kv[0]))[0][1]
+            self.step_check = profiler.step_check(self, first.timings, first.choice, first.candidates.acceptance,
+                                                  greedy=first.temperature == 0, max_step_s=profiler.STEP_CHECK_MAX_S)
+            if self.step_check is not None:
+                sc = self.step_check
+                self.auto_plans = {t: plan.retimed(plan.timings.scaled(sc.target, sc.draft, plan.timings.plain()))
+                                   for t, plan in self.auto_plans.items()}
+                if progress:
+                    print(f"sequoia-offload: {sc.describe()}", file=sys.stderr)
         self.planners = {}  # made per request temperature on first use (`_planner`)
         if progress:
             for plan in self.auto_plans.values():
@@ -612,7 +627,8 @@ class Engine:
         t0 = time.perf_counter()
         self.draft_states[old] = dict(display=self.draft_name, model_key=self.draft_key, auto_plans=self.auto_plans,
                                       planners=self.planners, learned_paths=self.learned_paths,
-                                      overlap=self.overlap, speed_check=self.speed_check)
+                                      overlap=self.overlap, speed_check=self.speed_check,
+                                      step_check=self.step_check)
         self._free_draft()
         args = self._load_args
         try:
@@ -671,6 +687,7 @@ class Engine:
         self.draft_key, self.auto_plans, self.planners = state["model_key"], state["auto_plans"], state["planners"]
         self.learned_paths, self.overlap = state["learned_paths"], state["overlap"]
         self.speed_check = state["speed_check"]
+        self.step_check = state["step_check"]
         self.draft_name = state["display"]
 
     def _consider_switch(self, planner, temperature: float, budget: int) -> dict | None:
@@ -913,7 +930,8 @@ class Engine:
                  "step_seconds": step_seconds,
                  "acceptance_by_rank": by_rank, "rank_evidence": evidence.as_dict(), "accepted_lengths": by_length,
                  "acceptance_source": source if spec.kind == "sequoia" else None,
-                 "auto": None if auto is None else _auto_stats(auto, planner, self.speed_check, len(new) - 1),
+                 "auto": None if auto is None else _auto_stats(auto, planner, self.speed_check, len(new) - 1,
+                                                                 self.step_check),
                  # seconds of the steps' parts (the target's pass without the draft work done in it)
                  "step_split": split,
                  "overlap": None if not decoder.overlap else {
@@ -996,11 +1014,12 @@ def _tree_name(spec: TreeSpec, draft, drafter) -> str:
     return "suffix" if draft is None else f"{spec.kind}+suffix"
 
 
-def _auto_stats(auto, planner, check=None, made: int | None = None) -> dict:
+def _auto_stats(auto, planner, check=None, made: int | None = None, step_check=None) -> dict:
     """`stats["auto"]`: the tree the generation started with and what was predicted for it then
     (from the profile, or from what earlier generations taught the planner), the trees its steps
     used, the per-step forecast, plain decoding's predicted time as the steps measured it, and
-    the load's speed check of the profile (`profiler.SpeedCheck`; None: a profile measured then).
+    the load's speed check of the profile (`profiler.SpeedCheck`; None: a profile measured then)
+    and its step check (`profiler.StepCheck`; None: not run).
     `made`: the tokens the steps made (the prefill's first not counted); an answer that ended
     sooner than planned gets the start's prediction for its own length too (`predicted_for_made`)."""
     start, log, best = planner.log.start, planner.log, auto.best_tree
@@ -1023,5 +1042,6 @@ def _auto_stats(auto, planner, check=None, made: int | None = None) -> dict:
             "predicted_for_made": for_made,
             "best_tree": [best.budget, best.depth], "best_tree_predicted_seconds_per_token": best.seconds_per_token,
             "adapted_plain_seconds_per_token": planner.predicted_plain(),
-            "speed_check": None if check is None else check.as_dict(), **log.as_dict()}
+            "speed_check": None if check is None else check.as_dict(),
+            "step_check": None if step_check is None else step_check.as_dict(), **log.as_dict()}
 

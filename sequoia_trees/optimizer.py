@@ -123,6 +123,20 @@ class Timings:
         under a quarter of the isolated pass, whatever a noisy constant says)."""
         return max(0.25 * self.target(1), self.target(1) + self.plain_seconds)
 
+    def scaled(self, target: float, draft: float, plain: float | None = None) -> "Timings":
+        """These timings with the speculation step's target side (the passes, their waits, the
+        per-step and per-node terms) times `target` and the draft's levels times `draft`; a
+        plain step then costs `plain` seconds (None: it moves with the target side, its own
+        constant scaled too)."""
+        plain_seconds = self.plain_seconds * target
+        if plain is not None:  # (plain() = target(1) * target + plain_seconds = plain)
+            plain_seconds = plain - self.target(1) * target
+        return replace(self, target_seconds=tuple(t * target for t in self.target_seconds),
+                       idle_seconds=tuple(t * target for t in self.idle_seconds),
+                       draft_seconds=tuple(t * draft for t in self.draft_seconds),
+                       step_seconds=self.step_seconds * target, node_seconds=self.node_seconds * target,
+                       plain_seconds=plain_seconds)
+
     def idle(self, n: int) -> float:
         """Seconds of a pass over n tokens spent waiting for streamed layers (0 when unknown)."""
         return interpolate(self.target_tokens, self.idle_seconds, n) if self.idle_seconds else 0.0

@@ -443,8 +443,13 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     assert check.first == (pytest.approx(0.4 * prof.check_target_s), pytest.approx(0.4 * prof.check_draft_s))
     want = profiler.rescaled(prof, check)
     assert want.target_pass_s == pytest.approx([0.4 ** k * t for t in prof.target_pass_s])
+    # the plan made from the rescaled profile, then its trees' parts rescaled by real steps of the
+    # chosen tree (`profiler.step_check`: test_real_steps_of_the_chosen_tree_...)
+    sc = engine.step_check
+    assert sc is not None
     for t, plan in engine.auto_plans.items():
-        assert plan.timings == want.timings(greedy=t == 0)  # (the plan made from the rescaled profile)
+        base = want.timings(greedy=t == 0)
+        assert plan.timings == base.scaled(sc.target, sc.draft, base.plain())
     assert result.stats["auto"]["speed_check"]["target_scale"] == pytest.approx(0.4 ** k)
     assert result.token_ids == greedy_past_eos(pair, "Hello", 12)[0].token_ids
     monkeypatch.setattr(profiler, "_timed", clock(0.05))  # a load spike in the other direction: 20x
@@ -482,6 +487,52 @@ def test_a_cached_profile_from_another_spell_is_rescaled_to_now_at_load(pair, tm
     assert quiet.speed_check.target == pytest.approx(1.1 ** k)
     assert quiet.speed_check.spell == pytest.approx((1 - k) * math.log(1.1))
     assert quiet.auto_plans[0.0].spell == pytest.approx((1 - k) * math.log(1.1))
+
+
+def test_real_steps_of_the_chosen_tree_are_timed_at_load_and_rescale_its_parts(pair, tmp_path, monkeypatch):
+    """`profiler.step_check`: a cached profile whose step model prices the draft's levels at a
+    third of their cost (a draft factor fitted, as on 2026-12-07, to levels timed in a slow spell), while
+    its speed check's readings agree with the machine: the check's readings cannot see it, real
+    steps of the chosen tree can. Timed at load, they read the draft at 2-3x the model (at least
+    1.6x asked: the median of three steps of about 14 ms; 1.8x measured with it halved),
+    every plan's trees are rescaled part by part by the ratios to the power STEP_CHECK_TRUST (plain
+    decoding's step kept), the checked tree's predicted step moves toward what the steps took,
+    the stats carry the check, and output stays exact. No step is timed for a profile measured at
+    this load, nor where the chosen tree's step is predicted over STEP_CHECK_MAX_S."""
+    import math
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _, first = greedy_past_eos(pair, "Hello", 4, draft="self-int8", tree="auto", offload="disk")
+    assert first.step_check is None  # (measured at this load: its steps were just timed)
+    cached = next(p for p in (tmp_path / "cache" / "sequoia-offload" / "profiles").glob("*.json")
+                  if "-target-" not in p.name)
+    prof = load_measured(cached)
+    cached.write_text(replace(prof, draft_factor=prof.draft_factor / 3,
+                              draft_factor_greedy=prof.draft_factor_greedy / 3).to_json())
+    plain = greedy_past_eos(pair, "Hello", 12)[0].token_ids
+    result, engine = greedy_past_eos(pair, "Hello", 12, draft="self-int8", tree="auto", offload="disk")
+    sc, check = engine.step_check, engine.speed_check
+    assert sc is not None and check is not None and len(sc.measured_s) == profiler.STEP_CHECK_STEPS
+    assert sc.draft_ratio > 1.6, sc
+    k = profiler.STEP_CHECK_TRUST
+    assert (sc.target, sc.draft) == (pytest.approx(sc.target_ratio ** k), pytest.approx(sc.draft_ratio ** k))
+    halved = profiler.rescaled(load_measured(cached), check)
+    for t, plan in engine.auto_plans.items():
+        base = halved.timings(greedy=t == 0)
+        assert plan.timings == base.scaled(sc.target, sc.draft, base.plain())
+        assert plan.plain_seconds_per_token == pytest.approx(base.plain())
+    checked = engine.auto_plans[0.0 if sc.greedy else 0.6]
+    now = checked.candidates.choice(sc.budget, sc.depth, checked.timings, checked.length).seconds_per_step
+    measured = statistics.median(sc.measured_s)
+    assert abs(math.log(now / measured)) < abs(math.log(sc.predicted_s / measured))
+    stats = result.stats["auto"]["step_check"]
+    assert stats["draft_ratio"] == pytest.approx(sc.draft_ratio) and stats["measured_step_s"] == list(sc.measured_s)
+    assert "step check: 3 real" in sc.describe()
+    assert result.token_ids == plain
+    monkeypatch.setattr(profiler, "STEP_CHECK_MAX_S", 1e-9)  # (every tree's step is predicted over it)
+    _, unchecked = greedy_past_eos(pair, "Hello", 2, draft="self-int8", tree="auto", offload="disk")
+    assert unchecked.step_check is None
+    halved = profiler.rescaled(load_measured(cached), unchecked.speed_check)
+    assert all(plan.timings == halved.timings(greedy=t == 0) for t, plan in unchecked.auto_plans.items())
 
 
 @pytest.mark.parametrize("error,spell", [(0.0, 0.0), (0.06, 0.0), (0.03, 0.12)])

@@ -176,6 +176,26 @@ def test_overlapped_draft_work_fills_the_pass_waits_and_no_more():
             Timings(**base, **bad)
 
 
+def test_scaled_timings_move_each_part_and_keep_the_plain_step_when_told():
+    """Timings.scaled(target, draft, plain): the step's target side (passes, waits, per-step and
+    per-node terms) times `target`, the levels times `draft` (worked by hand below); the plain
+    step moves with the target side, or costs `plain` when given (the step check keeps plain
+    decoding's prediction; the online planner gives it the plain steps' own ratio)."""
+    t = Timings(target_tokens=(1, 16), target_seconds=(0.1, 0.3), draft_widths=(1, 16), draft_seconds=(0.02, 0.05),
+                step_seconds=0.01, node_seconds=0.001, draft_factor=1.2, plain_seconds=0.02,
+                idle_seconds=(0.05, 0.1), overlap_use=0.5)
+    s = t.scaled(2.0, 3.0)
+    assert s.target(16) == pytest.approx(0.6) and s.idle(16) == pytest.approx(0.2) and s.draft(16) == pytest.approx(0.15)
+    assert (s.step_seconds, s.node_seconds, s.draft_factor) == (pytest.approx(0.02), pytest.approx(0.002), 1.2)
+    assert s.plain() == pytest.approx(2 * (0.1 + 0.02))
+    # a 16-node step of levels 1 and 16 wide: pass 0.6, draft work 1.2 * 3 * (0.02 + 0.05) = 0.252,
+    # of it 0.5 * 0.2 overlapped
+    assert s.step(16, (1, 16))[0] == pytest.approx(0.6 + (0.252 - 0.1) + 0.02 + 16 * 0.002)
+    kept = t.scaled(2.0, 3.0, plain=t.plain())
+    assert kept.plain() == pytest.approx(t.plain()) and kept.target(16) == pytest.approx(0.6)
+    assert t.scaled(1.0, 1.0) == t
+
+
 def test_the_overlap_use_fitted_to_paired_steps():
     """profiler.fit_overlap_use: over the second step of each pair, the draft time its levels
     grown ahead saved over min(the tree's draft work, the pass's waits): here two of three pairs'

@@ -331,6 +331,11 @@ class TimingEstimate:
         if predicted > 1e-9:  # (none when the pass before is predicted to have grown it all)
             self._add("draft", (times.draft - times.catch_up) / predicted)
 
+    def observed(self, part: str) -> float | None:
+        """The median of the ratios observed for `part` (None: none yet), without the prior."""
+        values = self._ratios[part]
+        return statistics.median(values) if values else None
+
     def _add(self, part: str, ratio: float) -> None:
         if ratio > 0 and ratio < float("inf"):
             self._ratios[part].append(ratio)
@@ -345,14 +350,9 @@ class TimingEstimate:
     def timings(self) -> Timings:
         """The profile's timings with the learned factors applied; a plain step at its own
         measured factor once plain steps have been timed (else at the target's)."""
-        b, kt, kd = self.base, self.factor("target"), self.factor("draft")
-        plain_seconds = b.plain_seconds * kt
-        if self._ratios["plain"]:  # plain() = the profile's plain step times its measured ratio
-            plain_seconds = b.plain() * statistics.median(self._ratios["plain"]) - b.target(1) * kt
-        return replace(b, target_seconds=tuple(t * kt for t in b.target_seconds),
-                       idle_seconds=tuple(t * kt for t in b.idle_seconds),
-                       draft_seconds=tuple(t * kd for t in b.draft_seconds), step_seconds=b.step_seconds * kt,
-                       node_seconds=b.node_seconds * kt, plain_seconds=plain_seconds)
+        b = self.base
+        plain = b.plain() * statistics.median(self._ratios["plain"]) if self._ratios["plain"] else None
+        return b.scaled(self.factor("target"), self.factor("draft"), plain)
 
 
 SUFFIX_BUCKETS = (1, 3, 6, 12)  # match lengths starting each bucket: 1-2, 3-5, 6-11, 12 and more

@@ -73,6 +73,14 @@ class AutoPlan:
         best_tree = choice if choice.budget > 1 else self.candidates.best(self.timings, False, length)
         return replace(self, choice=choice, best_tree=best_tree, length=length)
 
+    def retimed(self, timings: Timings) -> "AutoPlan":
+        """This plan under other timings (`profiler.step_check`'s): its choice and best tree
+        chosen again from the same candidates."""
+        choice = self.candidates.best(timings, length=self.length)
+        best_tree = choice if choice.budget > 1 else self.candidates.best(timings, False, self.length)
+        return replace(self, timings=timings, choice=choice, best_tree=best_tree,
+                       plain_seconds_per_token=timings.plain())
+
     @property
     def predicted_speedup(self) -> float:
         return self.plain_seconds_per_token / self.choice.seconds_per_token

@@ -491,6 +491,105 @@ def rescaled(prof: MeasuredProfile, check: SpeedCheck) -> MeasuredProfile:
                    draft_level_greedy_s=scale(prof.draft_level_greedy_s, check.draft))
 
 
+# The step check (`step_check`): the speed check above times two pieces of a step, each against a
+# reading the profile took between its timed steps, and a reading taken in a slow spell of the
+# profile leaves the levels it scales off by as much (the 2-vCPU machine, 2026-12-07: a profile
+# whose draft levels were swept in a slow spell, its check's reference 14% off its own level;
+# the demo's tree then predicted 6-16% fast at four of five loads). So, after the speed check,
+# STEP_CHECK_STEPS real steps of the chosen tree are timed (after one untimed: a fresh decoder's
+# first-use allocations), the way the profile timed the steps its step model was fitted to (a
+# random prefix of PREFIX_TOKENS, the passes streamed as the engine streams them, the next tree
+# grown ahead where the engine grows it), and compared part by part with the step model as the
+# online planner compares an answer's steps (`adaptive.TimingEstimate.observe`): the target side
+# (pass, verification, commits) and the draft's levels. Each part's median ratio, to the power
+# STEP_CHECK_TRUST, scales that part of every tree (`Timings.scaled`); plain decoding's step keeps
+# the speed check's prediction. The power is measured (the 2-vCPU machine, 2026-12-07, the demo's
+# (16, 16) tree): over 34 loads (12 on a profile whose fit was about right, 8 on it with its draft
+# reference made 25% slow, 14 on three fresh profiles) the answer's steps moved by 0.83 of the
+# check's whole-step ratio (a least-squares slope in logs through the origin; correlation 0.77),
+# and the answers' steps were predicted within a mean |log| of 0.075 at the power 0, 0.050 at
+# 0.5, 0.044 at 0.75 and 0.043 at 1 (root mean square: 0.091, 0.063, 0.056, 0.058). Where the fit
+# was about right the check only added noise (0.046 at 0, 0.048 at 0.75); where it was not (fresh
+# profiles whose answers ran a geometric mean of 0.93x their prediction, 0.80-1.13x) it took
+# half the error away (0.114 at 0, 0.054 at 0.75). It runs only where the chosen tree's step is
+# predicted to take at most STEP_CHECK_MAX_S (a 70B target streamed over PCIe takes seconds a
+# pass: its answers' own steps are what the online planner learns from) and the profile was not
+# measured in this run.
+STEP_CHECK_STEPS = 3
+STEP_CHECK_MAX_S = 1.0
+STEP_CHECK_TRUST = 0.75
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """Real steps of one tree timed at load (`step_check`) against the step model's prediction."""
+    budget: int
+    depth: int
+    greedy: bool
+    predicted_s: float  # a step of the tree, by the timings checked (the speed check's rescaled profile)
+    measured_s: tuple[float, ...]  # each timed step, whole
+    target_ratio: float | None  # the median of the steps' target side, measured over predicted
+    draft_ratio: float | None  # ... and of their draft levels (None: none predicted before the pass)
+    seconds: float = 0.0  # the check's own cost, its untimed step included
+
+    @property
+    def target(self) -> float:
+        """The target side's scale: target_ratio ** STEP_CHECK_TRUST, held within CHECK_MAX_SCALE."""
+        return _held(self.target_ratio) ** STEP_CHECK_TRUST
+
+    @property
+    def draft(self) -> float:
+        """The draft levels' scale (1: not read)."""
+        return _held(self.draft_ratio) ** STEP_CHECK_TRUST
+
+    def as_dict(self) -> dict:
+        return {"budget": self.budget, "depth": self.depth, "greedy": self.greedy,
+                "predicted_step_s": self.predicted_s, "measured_step_s": list(self.measured_s),
+                "target_ratio": self.target_ratio, "draft_ratio": self.draft_ratio, "target_scale": self.target,
+                "draft_scale": self.draft, "seconds": self.seconds}
+
+    def describe(self) -> str:
+        measured = statistics.median(self.measured_s)
+        parts = [f"target side {self.target_ratio:.2f}x" if self.target_ratio is not None else None,
+                 f"draft levels {self.draft_ratio:.2f}x" if self.draft_ratio is not None else None]
+        return (f"step check: {len(self.measured_s)} real ({self.budget}, {self.depth}) steps took "
+                f"{measured * 1e3:.0f} ms (median; predicted {self.predicted_s * 1e3:.0f}): "
+                f"{', '.join(p for p in parts if p)} of the prediction; the trees' steps are rescaled by "
+                f"{self.target:.2f}x and {self.draft:.2f}x, plain decoding's is kept ({self.seconds:.1f} s)")
+
+
+def _held(ratio: float | None) -> float:
+    return 1.0 if ratio is None else min(max(ratio, 1 / CHECK_MAX_SCALE), CHECK_MAX_SCALE)
+
+
+def step_check(engine, timings: Timings, choice, acceptance: AcceptanceVector, greedy: bool = True,
+               steps: int = STEP_CHECK_STEPS, max_step_s: float = STEP_CHECK_MAX_S) -> StepCheck | None:
+    """`steps` real steps of `choice`'s tree (an optimizer `Choice`, its tree from a table filled
+    with `acceptance`) timed on the loaded engine after one untimed, greedy or sampled at T=0.6
+    (the profile's two modes), against `timings` (see STEP_CHECK_STEPS above). None: plain
+    decoding chosen, no draft, or a step predicted over `max_step_s`."""
+    from ..speculation.decoder import SpeculativeDecoder, TreeSpec
+    from .adaptive import TimingEstimate
+    if engine.draft is None or choice.budget <= 1 or not choice.seconds_per_step <= max_step_s:
+        return None
+    started = time.perf_counter()
+    spec = TreeSpec("sequoia", choice.budget, choice.depth, acceptance=acceptance, parents=choice.tree.parents)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, engine.config.vocab_size, (PREFIX_TOKENS,), generator=g).tolist()
+    dec = SpeculativeDecoder(engine.model, engine.draft, spec, SamplingParams(0.0 if greedy else 0.6, 1.0), g,
+                             PREFIX_TOKENS + (steps + 1) * (choice.depth + 1) + 16, max_nodes=choice.budget,
+                             timed=True, overlap=engine.overlap)
+    dec.prefill(ids, engine.max_batch_tokens)
+    root, estimate, whole = ids[-1], TimingEstimate(timings), []
+    for k in range(steps + 1):
+        root = dec.step(root).tokens[-1]
+        if k:  # (the first: allocations, no tree grown ahead yet)
+            estimate.observe(choice.budget, choice.level_widths, dec.last_times)
+            whole.append(dec.last_times.total)
+    return StepCheck(choice.budget, choice.depth, greedy, choice.seconds_per_step, tuple(whole),
+                     estimate.observed("target"), estimate.observed("draft"), time.perf_counter() - started)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
