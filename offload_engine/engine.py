@@ -513,9 +513,10 @@ class Engine:
             self.auto_plans[t] = plan
         # real steps of the chosen tree timed now, in the spell the answers will run in, against
         # the (rescaled) profile's step model: every plan's trees rescaled part by part and chosen
-        # again (`profiler.step_check`; not for a profile measured in this run: its steps were)
+        # again (`profiler.step_check`; a profile measured at this load too: five fresh profiles
+        # put the answers' steps 9% slow, 2026-12-07)
         self.step_check = None
-        if self.speed_check is not None:
+        if prof.machine == profiler.machine_name(self.model.device):
             first = sorted(self.auto_plans.items(), key=lambda kv: (kv[1].choice.budget == 1, kv[0]))[0][1]
             self.step_check = profiler.step_check(self, first.timings, first.choice, first.candidates.acceptance,
                                                   greedy=first.temperature == 0, max_step_s=profiler.STEP_CHECK_MAX_S)

@@ -513,8 +513,12 @@ def rescaled(prof: MeasuredProfile, check: SpeedCheck) -> MeasuredProfile:
 # profiles whose answers ran a geometric mean of 0.93x their prediction, 0.80-1.13x) it took
 # half the error away (0.114 at 0, 0.054 at 0.75). It runs only where the chosen tree's step is
 # predicted to take at most STEP_CHECK_MAX_S (a 70B target streamed over PCIe takes seconds a
-# pass: its answers' own steps are what the online planner learns from) and the profile was not
-# measured in this run.
+# pass: its answers' own steps are what the online planner learns from), on a profile of this
+# machine, also one measured at this load: five profiles measured alone, each then loaded five
+# times within minutes, had their step check read a geometric mean of 0.93x (0.80-1.07x) and their
+# answers' steps run 0.91x (45 answers) of their own prediction (a profile's steps are timed in
+# rounds of six shapes and two modes in turn, an answer's in a run of one tree; which difference
+# costs it was not measured).
 STEP_CHECK_STEPS = 3
 STEP_CHECK_MAX_S = 1.0
 STEP_CHECK_TRUST = 0.75
