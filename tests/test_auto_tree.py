@@ -493,7 +493,7 @@ def test_real_steps_of_the_chosen_tree_are_timed_at_load_and_rescale_its_parts(p
     """`profiler.step_check`: a cached profile whose step model prices the draft's levels at a
     third of their cost (a draft factor fitted, as on 2026-12-07, to levels timed in a slow spell), while
     its speed check's readings agree with the machine: the check's readings cannot see it, real
-    steps of the chosen tree can. Timed at load, they read the draft at 2-3x the model (at least
+    steps of the chosen tree can. Timed at load, they read the draft at 2.5-3.3x the model (at least
     1.6x asked: the median of three steps of about 14 ms; 1.8x measured with it halved),
     every plan's trees are rescaled part by part by the ratios to the power STEP_CHECK_TRUST (plain
     decoding's step kept), the checked tree's predicted step moves toward what the steps took,
@@ -514,7 +514,8 @@ def test_real_steps_of_the_chosen_tree_are_timed_at_load_and_rescale_its_parts(p
     assert sc is not None and check is not None and len(sc.measured_s) == profiler.STEP_CHECK_STEPS
     assert sc.draft_ratio > 1.6, sc
     k = profiler.STEP_CHECK_TRUST
-    assert (sc.target, sc.draft) == (pytest.approx(sc.target_ratio ** k), pytest.approx(sc.draft_ratio ** k))
+    held = profiler._held  # (each ratio held within CHECK_MAX_SCALE first: a third of the draft can read over 3x)
+    assert (sc.target, sc.draft) == (pytest.approx(held(sc.target_ratio) ** k), pytest.approx(held(sc.draft_ratio) ** k))
     halved = profiler.rescaled(load_measured(cached), check)
     for t, plan in engine.auto_plans.items():
         base = halved.timings(greedy=t == 0)

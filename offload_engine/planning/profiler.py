@@ -504,21 +504,24 @@ def rescaled(prof: MeasuredProfile, check: SpeedCheck) -> MeasuredProfile:
 # (pass, verification, commits) and the draft's levels. Each part's median ratio, to the power
 # STEP_CHECK_TRUST, scales that part of every tree (`Timings.scaled`); plain decoding's step keeps
 # the speed check's prediction. The power is measured (the 2-vCPU machine, 2026-12-07, the demo's
-# (16, 16) tree): over 34 loads (12 on a profile whose fit was about right, 8 on it with its draft
-# reference made 25% slow, 14 on three fresh profiles) the answer's steps moved by 0.83 of the
-# check's whole-step ratio (a least-squares slope in logs through the origin; correlation 0.77),
-# and the answers' steps were predicted within a mean |log| of 0.075 at the power 0, 0.050 at
-# 0.5, 0.044 at 0.75 and 0.043 at 1 (root mean square: 0.091, 0.063, 0.056, 0.058). Where the fit
-# was about right the check only added noise (0.046 at 0, 0.048 at 0.75); where it was not (fresh
-# profiles whose answers ran a geometric mean of 0.93x their prediction, 0.80-1.13x) it took
-# half the error away (0.114 at 0, 0.054 at 0.75). It runs only where the chosen tree's step is
-# predicted to take at most STEP_CHECK_MAX_S (a 70B target streamed over PCIe takes seconds a
-# pass: its answers' own steps are what the online planner learns from), on a profile of this
-# machine, also one measured at this load: five profiles measured alone, each then loaded five
-# times within minutes, had their step check read a geometric mean of 0.93x (0.80-1.07x) and their
-# answers' steps run 0.91x (45 answers) of their own prediction (a profile's steps are timed in
-# rounds of six shapes and two modes in turn, an answer's in a run of one tree; which difference
-# costs it was not measured).
+# (16, 16) tree; computed offline from each load's whole-step ratio): over 34 loads (12 on a
+# profile whose fit was about right, 8 on it with its draft reference made 25% slow, 14 on three
+# fresh profiles) the answer's steps moved by 0.83 of the check's whole-step ratio (a
+# least-squares slope in logs through the origin; correlation 0.77), and the ratio to the power k
+# would have predicted them within a mean |log| of 0.075 at k = 0, 0.050 at 0.5, 0.044 at 0.75
+# and 0.043 at 1 (root mean square: 0.091, 0.063, 0.056, 0.058; with 6 loads of two more fresh
+# profiles, 40: slope 0.89, 0.086, 0.055, 0.045, 0.044). Where the fit was about right the check
+# only added noise (0.046 at 0, 0.048 at 0.75); on the fresh profiles (20 loads) it halved the
+# error (0.125 at 0, 0.053 at 0.75). It runs only where the chosen tree's step is predicted to
+# take at most STEP_CHECK_MAX_S (a 70B target streamed over PCIe takes seconds a pass: its
+# answers' own steps are what the online planner learns from), on a profile of this machine, also
+# one measured at this load: five profiles measured alone, each then loaded ten times within
+# minutes (five with the check), had their step check read a geometric mean of 0.93x (0.80-1.07x,
+# 25 loads) and their answers' steps run 0.91x (45 answers) of their own prediction (a profile's
+# steps are timed in rounds of six shapes and two modes in turn, an answer's in a run of one
+# tree; which difference costs it was not measured). Where a ratio above 1 meets a plain step
+# whose constant is very negative, `Timings.plain`'s floor (a quarter of the scaled one-token
+# pass) can lift plain decoding's prediction a little: not seen here.
 STEP_CHECK_STEPS = 3
 STEP_CHECK_MAX_S = 1.0
 STEP_CHECK_TRUST = 0.75
