@@ -485,7 +485,8 @@ class Engine:
         # rescaled half the way to now (`profiler.speed_now`, CHECK_TRUST; a synthetic profile,
         # of another "machine", has nothing to compare with)
         self.speed_check = None
-        if not fresh and prof.machine == profiler.machine_name(self.model.device):
+        this_machine = prof.machine == profiler.machine_name(self.model.device)
+        if not fresh and this_machine:
             self.speed_check = profiler.speed_now(self, prof)
             prof = profiler.rescaled(prof, self.speed_check)
             if progress:
@@ -516,8 +517,8 @@ class Engine:
         # again (`profiler.step_check`; a profile measured at this load too: five fresh profiles
         # put the answers' steps 9% slow, 2026-12-07)
         self.step_check = None
-        if prof.machine == profiler.machine_name(self.model.device):
-            first = sorted(self.auto_plans.items(), key=lambda kv: (kv[1].choice.budget == 1, kv[0]))[0][1]
+        if this_machine:  # (the plan of the lowest temperature whose tree pays)
+            first = min(self.auto_plans.items(), key=lambda kv: (kv[1].choice.budget == 1, kv[0]))[1]
             self.step_check = profiler.step_check(self, first.timings, first.choice, first.candidates.acceptance,
                                                   greedy=first.temperature == 0, max_step_s=profiler.STEP_CHECK_MAX_S)
             if self.step_check is not None:

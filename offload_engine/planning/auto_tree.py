@@ -69,15 +69,13 @@ class AutoPlan:
         """This plan with its choice (and best tree) made for generations of `length` tokens."""
         if length == self.length:
             return self
-        choice = self.candidates.best(self.timings, length=length)
-        best_tree = choice if choice.budget > 1 else self.candidates.best(self.timings, False, length)
+        choice, best_tree = _chosen(self.candidates, self.timings, length)
         return replace(self, choice=choice, best_tree=best_tree, length=length)
 
     def retimed(self, timings: Timings) -> "AutoPlan":
         """This plan under other timings (`profiler.step_check`'s): its choice and best tree
         chosen again from the same candidates."""
-        choice = self.candidates.best(timings, length=self.length)
-        best_tree = choice if choice.budget > 1 else self.candidates.best(timings, False, self.length)
+        choice, best_tree = _chosen(self.candidates, timings, self.length)
         return replace(self, timings=timings, choice=choice, best_tree=best_tree,
                        plain_seconds_per_token=timings.plain())
 
@@ -170,12 +168,18 @@ def plan_auto(vectors: dict, profile: MeasuredProfile, max_budget: int = AUTO_MA
         timings = profile.timings(greedy=t == 0)
         ns = candidates(timings, budgets)
         cands = Candidates(vector, ns, max_depth, TreeTable(vector, max(max(ns), 2), max_depth))
-        choice = cands.best(timings, length=length)
-        best_tree = choice if choice.budget > 1 else cands.best(timings, False, length)
+        choice, best_tree = _chosen(cands, timings, length)
         error = profile.fit_cv_error_greedy if t == 0 else profile.fit_cv_error
         plans[t] = AutoPlan(t, vector, Path(path).name, choice, timings.plain(), best_tree, timings, cands, length,
                             step_error=error)
     return plans
+
+
+def _chosen(cands: Candidates, timings: Timings, length: int | None) -> tuple[Choice, Choice]:
+    """(the candidates' best under `timings` for answers of `length` tokens, plain decoding
+    included; the best speculative tree, the same one unless plain decoding won)."""
+    choice = cands.best(timings, length=length)
+    return choice, choice if choice.budget > 1 else cands.best(timings, False, length)
 
 
 def budget_grid(max_budget: int) -> tuple[int, ...]:

@@ -292,7 +292,7 @@ class SpeedCheck:
 
     @staticmethod
     def _ratio(now, then) -> float | None:
-        return None if now is None or not then else min(max(now / then, 1 / CHECK_MAX_SCALE), CHECK_MAX_SCALE)
+        return None if now is None or not then else _held(now / then)
 
     @property
     def clamped(self) -> bool:
@@ -566,6 +566,7 @@ class StepCheck:
 
 
 def _held(ratio: float | None) -> float:
+    """A ratio held within [1 / CHECK_MAX_SCALE, CHECK_MAX_SCALE] (None: 1, nothing read)."""
     return 1.0 if ratio is None else min(max(ratio, 1 / CHECK_MAX_SCALE), CHECK_MAX_SCALE)
 
 
