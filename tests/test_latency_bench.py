@@ -91,6 +91,15 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
             assert r["vs_plain_paired"] == pytest.approx(plain[1])
             assert len(r["per_prompt"]) == 3 and all(pp["predicted_seconds_per_token"] > 0 for pp in r["per_prompt"])
             assert "x" in r["trees"]
+            # the second bar's figures once adapting: the two later answers' forecasts against their measurements
+            later = r["per_prompt"][1:]
+            ratios = [pp["forecast_seconds_per_token"] / pp["measured_seconds_per_token"] for pp in later]
+            f = r["forecast_after_first"]
+            assert f["answers"] == 2 and f["ratios"] == pytest.approx(ratios)
+            assert f["within"] == sum(abs(x - 1) <= 0.10 for x in ratios)
+            spent = [pp["measured_seconds_per_token"] * pp["tokens"] for pp in later]
+            assert all(pp["tokens"] > 0 for pp in later)
+            assert f["pooled"] == pytest.approx(sum(x * t for x, t in zip(ratios, spent)) / sum(spent))
         assert at["auto-no-adapt"]["trees"].count(" x ") == 1  # one tree throughout
         # the control: plain-streamed's configuration again (never the best fixed choice), its paired ratio
         for name in ("plain-control", "plain-again"):
@@ -102,6 +111,11 @@ def test_auto_study_compares_auto_with_the_best_fixed_tree_in_hindsight(pair, tm
             assert control["vs_plain_paired"] == pytest.approx(ratios[1])
     out = capsys.readouterr().out
     assert "best fixed" in out and "again, the same engine" in out and "again, a second engine" in out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if "first generation: predicted / measured" in line)
+    told = [line for line in lines[head + 2:] if line.startswith("|")]  # the predictions' table
+    assert [line.split(" | ")[0] for line in told] == ["| sequoia-auto", "| auto-no-adapt"] * 2
+    assert all(line.count(" of 2 |") == 1 for line in told)
 
 
 def test_auto_study_separate_engines_loads_one_engine_per_mode(pair, tmp_path, monkeypatch, loads):
