@@ -8,6 +8,7 @@ The profiles are fakes with known level times (one per candidate, so that the fa
 without timing a noisy machine) and the vectors a fixed one: what is under test is the choice,
 not the measurements (tests/test_auto_tree.py and test_optimizer.py test those)."""
 
+import gc
 import json
 import os
 import weakref
@@ -36,6 +37,21 @@ def folders(tmp_path_factory):
     small = make_tiny_checkpoint(root / "small", "llama3-gqa", layers=1, seed=4, init_std=0.05)
     make_tiny_checkpoint(root / "twin", "llama3-gqa", layers=8, seed=5)  # as large as the target: not a draft
     return target, small
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports_left_out_of_collections(folders):
+    """Choosing a draft frees each candidate's engine with a full gc.collect() (draft_choice.choose_draft,
+    Engine._free_draft): about a hundred of them in this module. In pytest's process each one also
+    walks every object that the runner and the test modules imported before (over 400,000: 0.17 s
+    a collection run alone, 18 of this module's 51 s), which the CLI's process does not hold. Those
+    are frozen (gc.freeze) once this module's checkpoints are made, so that each collection walks
+    what the tests made since, and collects it as before (the switch test asserts that the
+    replaced draft is freed before the next one is built); unfrozen after."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def _fake_profile(engine, level_s: float) -> MeasuredProfile:
