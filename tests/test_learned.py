@@ -4,6 +4,7 @@ exact."""
 
 import json
 import random
+import shutil
 
 import pytest
 
@@ -22,12 +23,35 @@ def pair(tmp_path_factory):
     return target, perturbed_copy(target, tmp_path_factory.mktemp("learned_draft") / "draft", 0.05, seed=3)
 
 
-@pytest.fixture
-def fake_profile(tmp_path, monkeypatch):
-    import offload_engine.planning.profiler as profiler
+def _fake_measure(engine, *a, **k):
     from test_auto_tree import _fake_profile
+    return _fake_profile(engine, pass_s=0.05, draft_s=2e-3)
+
+
+@pytest.fixture(scope="module")
+def measured_vectors(pair, tmp_path_factory):
+    """The pair's acceptance vectors as the first `--tree auto` load measures and caches them
+    (`measure.vectors_for`: 0.7 s of decoding), measured once for the module: each test's fresh
+    cache starts with a copy, instead of every test's first load measuring the same vectors again.
+    What is under test here is what the planner learns on top of them."""
+    import offload_engine.planning.profiler as profiler
+    from offload_engine.speculation.acceptance_store import acceptance_cache_dir
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("learned_vectors")))
+        m.setattr(profiler, "measure", _fake_measure)
+        _load(pair).close()
+        folder = acceptance_cache_dir()
+    assert sorted(p.name.rsplit("__", 1)[1] for p in folder.glob("*.json")) == ["t0.6.json", "t0.json"]
+    return folder
+
+
+@pytest.fixture
+def fake_profile(tmp_path, monkeypatch, measured_vectors):
+    import offload_engine.planning.profiler as profiler
+    from offload_engine.speculation.acceptance_store import acceptance_cache_dir
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(profiler, "measure", lambda engine, *a, **k: _fake_profile(engine, pass_s=0.05, draft_s=2e-3))
+    monkeypatch.setattr(profiler, "measure", _fake_measure)
+    shutil.copytree(measured_vectors, acceptance_cache_dir())
 
 
 def _load(pair, **kw):
