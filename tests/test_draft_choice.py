@@ -54,18 +54,6 @@ def _imports_left_out_of_collections(folders):
     gc.unfreeze()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _closed_loaders_seen_sooner():
-    """Each candidate is evaluated on a disk-streamed engine closed before the next one is loaded
-    (about 110 closes in this module). A closed engine's loader thread, blocked until a buffer is
-    free, sees the close at its next poll (streamer._POLL_S, 0.2 s): 0.13 s a close, 15 s of this
-    module. It polls every 5 ms here; no test in this module asserts how soon a loader stops."""
-    from offload_engine.runtime import streamer
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(streamer, "_POLL_S", 0.005)
-        yield
-
-
 def _fake_profile(engine, level_s: float) -> MeasuredProfile:
     ns, ws = (1, 16, 64, 128), (1, 8, 64)
     return MeasuredProfile(machine="test", device="cpu", dtype="float32", target=str(engine.folder),
