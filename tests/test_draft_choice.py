@@ -44,10 +44,11 @@ def _imports_left_out_of_collections(folders):
     """Choosing a draft frees each candidate's engine with a full gc.collect() (draft_choice.choose_draft,
     Engine._free_draft): about a hundred of them in this module. In pytest's process each one also
     walks every object that the runner and the test modules imported before (over 400,000: 0.17 s
-    a collection run alone, 18 of this module's 51 s), which the CLI's process does not hold. Those
-    are frozen (gc.freeze) once this module's checkpoints are made, so that each collection walks
-    what the tests made since, and collects it as before (the switch test asserts that the
-    replaced draft is freed before the next one is built); unfrozen after."""
+    a collection run alone, 18 of this module's 51 s), which the CLI's process does not hold.
+    conftest.py freezes (gc.freeze) what is alive before the module starts; this freezes again once
+    its checkpoints are made (transformers imported, when this module runs alone), so that each
+    collection walks what the tests made since, and collects it as before (the switch test asserts
+    that the replaced draft is freed before the next one is built); unfrozen after."""
     gc.collect()
     gc.freeze()
     yield
