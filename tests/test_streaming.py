@@ -123,6 +123,39 @@ def test_abandoned_pass_keeps_the_loader_in_step(ckpt, reference, tmp_path):
         model.layers.close()
 
 
+def test_a_loader_waiting_for_a_buffer_is_stopped_at_once(ckpt, reference, tmp_path, monkeypatch):
+    """Closing, or abandoning a pass, wakes a loader blocked on a full set of buffers: with its
+    poll made a minute long, both take well under it, and the passes after the abandoned one
+    are still right (the woken loader reads nothing more)."""
+    import time
+
+    from offload_engine.runtime import streamer
+    monkeypatch.setattr(streamer, "_POLL_S", 60.0)
+    plan = plan_for(ckpt, "disk", 2)
+    model = load_target(ckpt, torch.float32, torch.device("cpu"), plan,
+                        OffloadOptions("disk", store_root=tmp_path), progress=False)
+    executor = model.layers
+    try:
+        deadline = time.perf_counter() + 10
+        while executor._filled_ahead < 2 * executor.layout.max_block and time.perf_counter() < deadline:
+            time.sleep(0.01)  # both buffers filled: the loader now waits for one to be freed
+        assert executor._filled_ahead == 2 * executor.layout.max_block
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError):  # a pass abandoned at its first layer restarts the loader
+            model.forward(torch.tensor([1, 2]), torch.arange(2), model.new_cache(8),
+                          mask=torch.ones(3, 3, dtype=torch.bool))
+        assert time.perf_counter() - t0 < 5.0
+        expected = run_script(reference, ckpt.config.vocab_size)
+        for a, b in zip(run_script(model, ckpt.config.vocab_size), expected):
+            assert torch.equal(a, b)
+        time.sleep(0.2)  # (the loader fills ahead for a next pass and blocks again)
+        t0 = time.perf_counter()
+        executor.close()
+        assert time.perf_counter() - t0 < 5.0 and executor._thread is None
+    finally:
+        executor.close()
+
+
 def test_measured_bytes_see_a_reader_that_skips_a_block(ckpt, tmp_path):
     """The byte counts come from the reads themselves: a reader that skips one block (returns
     without reading it) shows as fewer bytes than the plan, not as the plan's constant."""

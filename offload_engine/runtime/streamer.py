@@ -231,8 +231,13 @@ class LayerExecutor:
             self._thread.start()
 
     def _stop_loader(self) -> bool:
-        """Stop the loader (it finishes the read in hand); True when it has really ended."""
+        """Stop the loader (it finishes the read in hand); True when it has really ended. A loader
+        waiting for a free buffer is woken at once (its buffers' semaphores are this loader's
+        alone: `_start_loader` makes new ones), not at its next poll: every close of a streamed
+        engine, and every abandoned pass, waited 0.07-0.13 s for it."""
         self._stop.set()
+        for sem in self.free:
+            sem.release()
         joined = True
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -497,6 +502,8 @@ class LayerExecutor:
                 while not self.free[b].acquire(timeout=_POLL_S):
                     if stop.is_set():
                         return
+                if stop.is_set():  # (woken by `_stop_loader`)
+                    return
                 began = time.perf_counter()
                 with self._lock:  # (the fit rule's: when this fill began)
                     self._fill_began[b] = (n, began)
