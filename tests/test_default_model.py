@@ -29,10 +29,17 @@ def test_greedy_chat_answers_paris(engine):
     assert result.token_ids[-1] == engine.tokenizer.token_to_id("<|im_end|>")
 
 
-def test_logits_match_transformers_own_gguf_loader(engine):
+def test_logits_match_transformers_own_gguf_loader(engine, monkeypatch):
     """transformers dequantises the GGUF and undoes llama.cpp's q/k permutation on its own: an
     independent check of our converter and of our forward pass on the real weights."""
+    import functools
+
+    import gguf as gguf_py
     import transformers
+    # (transformers maps the file's tensor names once for every submodule of the model, 397 here,
+    # building gguf-py's name table of the architecture anew each time: 5.7 s of this test. The
+    # table is a function of the architecture and the block count alone: built once here)
+    monkeypatch.setattr(gguf_py, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf_py.get_tensor_name_map))
     gguf = find_default_gguf()
     ref = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                             dtype=torch.float32).eval()
