@@ -84,7 +84,10 @@ def test_the_substitute_draft_runs_the_targets_resident_layers(target, tmp_path,
         assert engine.overlap  # on by default for the substitute drafts
     finally:
         engine.close()
-    whole = Engine.load(target, draft="self-q4", draft_group_size=32, offload="none", progress=False)
+    # (the tree as above: the default, --tree auto, would first measure the pair's vectors and a
+    # machine profile, 6 s of this test, for a plan that nothing here looks at)
+    whole = Engine.load(target, draft="self-q4", draft_group_size=32, offload="none", tree="sequoia", tree_budget=8,
+                        tree_depth=3, progress=False)
     try:  # nothing streams: the draft is the target itself, and there is no wait to grow into
         assert all(a is b for a, b in zip(whole.draft.layers, (whole.model.layers.resident[i] for i in range(LAYERS))))
         assert not whole.overlap
