@@ -77,9 +77,9 @@ def test_variants_set_overlap_as_load_would(target, tmp_path, monkeypatch):
     # cannot hold the whole model ahead of the passes, and fills 20 ms slower. With the CPU's six
     # buffers and 3 ms, a CI run on 2026-12-07 and 1 of 2 local runs grew nothing, 0 hits + 0
     # misses, and under two busy loops 3 of 3; with these, 7 of 7 and 3 of 3)
-    slow_fills(monkeypatch, 0.02)
-    with Engine.load(target, offload="disk", progress=False) as lone:
+    with Engine.load(target, offload="disk", progress=False) as lone:  # (the reference: no fill slowed)
         plain_ids = _gen(lone).token_ids
+    slow_fills(monkeypatch, 0.02)
     with Engine.load(target, draft="self-q8", tree="sequoia", tree_budget=4, tree_depth=3, offload="disk",
                      buffers=2, overlap="off", progress=False) as base:
         # (every unit runs until its layer is in: the CPU's fit rule, which holds a unit back when
