@@ -8,9 +8,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pool():
-    """Processes for the statistical tests' sample streams (tests/streams.py)."""
+    """Processes for the statistical tests' sample streams (tests/streams.py), started once for the
+    session: each spawned process imports torch and the test module it runs (3 s for the two), and
+    takes 1 s to stop. What jobs change in their process (the decoder's verifier, the adaptive
+    planner's constants, the decoder's limits on trees grown ahead) is test_speculative_distribution.py's,
+    as it was with one pool for that module; test_verify_distribution.py's jobs run sequoia_trees
+    alone, which no job changes."""
     from streams import spawn_pool
     with spawn_pool() as ex:
         yield ex

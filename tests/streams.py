@@ -1,6 +1,6 @@
 """Statistical tests draw their samples as WORKERS independent seeded streams in spawned processes
 (the machine has two cores): the same i.i.d. samples in about half the time, deterministic for a
-given WORKERS. conftest.py's module-scoped `pool` fixture is the executor."""
+given WORKERS. conftest.py's session-scoped `pool` fixture is the executor."""
 
 from concurrent.futures import ProcessPoolExecutor
 
